@@ -1,0 +1,249 @@
+"""From wire samples to tensors: validation, then padding-free packing into micro-batches.
+
+Validation happens here, before any weight is touched, and every refusal names the field
+(`samples[3].loss_fn_inputs.target_tokens[7]: token id 999 out of range [0, 128)`).
+
+Packing: the samples of a call are laid end to end into rows of at most `row_tokens` tokens
+(first-fit, longest first; a sample is never split), with position ids restarting at each
+sample and a block-diagonal causal mask, so each sample attends only to itself. Rows are
+grouped into micro-batches of at most `token_budget` tokens. Loss denominators are computed
+over the whole call before the first micro-batch (`LossNorm`), so the gradient does not depend
+on how the call was split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from trainer.errors import invalid
+from trainer.losses import LossNorm
+from trainer.specs import Gradient, Sample
+
+FLOAT_INPUTS = ("logprobs", "advantages", "reference_logprobs", "weights", "mask")
+
+
+@dataclass
+class PreparedSample:
+    """One validated sample. T = its token count."""
+
+    index: int
+    tokens_T: torch.Tensor
+    targets_T: torch.Tensor
+    mask_T: torch.Tensor  # fp32 0/1
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # fp32 per-token inputs
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens_T.shape[0])
+
+
+def prepare_samples(
+    samples: list[Sample],
+    *,
+    vocab_size: int,
+    max_seq_length: int,
+    max_batch_size: int,
+    required: tuple[str, ...] = (),
+    weights_are_mask: bool = True,
+    gradients: list[Gradient] | None = None,
+) -> list[PreparedSample]:
+    """Validate a call's samples and turn them into tensors (CPU).
+
+    With `weights_are_mask` (every loss but cross entropy), non-zero weights become mask 1.
+    Cross entropy keeps fractional `weights` and masks where `w == 0`.
+    """
+    if not samples:
+        raise invalid("samples", "at least one sample is required")
+    if len(samples) > max_batch_size:
+        raise invalid("samples", f"{len(samples)} samples exceed max_batch_size {max_batch_size}")
+    if gradients is not None and len(gradients) != len(samples):
+        raise invalid(
+            "gradients", f"expected {len(samples)} entries (one per sample), got {len(gradients)}"
+        )
+    prepared = []
+    for i, sample in enumerate(samples):
+        grad = gradients[i] if gradients is not None else None
+        prepared.append(
+            _prepare_one(i, sample, vocab_size, max_seq_length, required, weights_are_mask, grad)
+        )
+    return prepared
+
+
+def _prepare_one(
+    i: int,
+    sample: Sample,
+    vocab_size: int,
+    max_seq_length: int,
+    required: tuple[str, ...],
+    weights_are_mask: bool,
+    gradient: Gradient | None,
+) -> PreparedSample:
+    where = f"samples[{i}]"
+    tokens = sample.model_input.tokens
+    length = len(tokens)
+    if length == 0:
+        raise invalid(f"{where}.model_input", "has no tokens")
+    if length > max_seq_length:
+        raise invalid(
+            f"{where}.model_input", f"{length} tokens exceed max_seq_length {max_seq_length}"
+        )
+    _check_ids(tokens, vocab_size, f"{where}.model_input.chunks")
+    inputs = sample.loss_fn_inputs
+    if "target_tokens" not in inputs:
+        raise invalid(f"{where}.loss_fn_inputs.target_tokens", "is required")
+    for name in required:
+        if name not in inputs:
+            raise invalid(f"{where}.loss_fn_inputs.{name}", "is required by this loss")
+    if "weights" in inputs and "mask" in inputs:
+        raise invalid(f"{where}.loss_fn_inputs", "give weights or mask, not both")
+    for name, tensor in inputs.items():
+        if len(tensor.data) != length:
+            raise invalid(
+                f"{where}.loss_fn_inputs.{name}",
+                f"has {len(tensor.data)} values but model_input has {length} tokens",
+            )
+    targets = [int(t) for t in inputs["target_tokens"].data]
+    if inputs["target_tokens"].dtype != "int64":
+        raise invalid(f"{where}.loss_fn_inputs.target_tokens", "dtype must be int64")
+    _check_ids(targets, vocab_size, f"{where}.loss_fn_inputs.target_tokens")
+    floats: dict[str, torch.Tensor] = {}
+    for name in FLOAT_INPUTS:
+        if name in inputs:
+            floats[name] = torch.tensor([float(v) for v in inputs[name].data], dtype=torch.float32)
+    if gradient is not None:
+        if len(gradient.data) != length:
+            raise invalid(
+                f"gradients[{i}].data",
+                f"has {len(gradient.data)} values but samples[{i}] has {length} tokens",
+            )
+        floats["gradients"] = torch.tensor(gradient.data, dtype=torch.float32)
+    if "mask" in floats:
+        mask = (floats["mask"] != 0).float()
+    elif "weights" in floats:
+        mask = (floats["weights"] != 0).float()
+        if weights_are_mask:
+            floats["weights"] = mask
+    else:
+        mask = torch.ones(length, dtype=torch.float32)
+    return PreparedSample(
+        index=i,
+        tokens_T=torch.tensor(tokens, dtype=torch.long),
+        targets_T=torch.tensor(targets, dtype=torch.long),
+        mask_T=mask,
+        inputs=floats,
+    )
+
+
+def _check_ids(ids: list[int], vocab_size: int, where: str) -> None:
+    for j, token in enumerate(ids):
+        if not 0 <= token < vocab_size:
+            raise invalid(f"{where}[{j}]", f"token id {token} out of range [0, {vocab_size})")
+
+
+def loss_norm(samples: list[PreparedSample]) -> LossNorm:
+    """The call-level denominators, fixed before the first micro-batch."""
+    return LossNorm(
+        total_mask=float(sum(float(s.mask_T.sum()) for s in samples)),
+        total_samples=len(samples),
+        horizon=max(s.length for s in samples),
+    )
+
+
+@dataclass
+class MicroBatch:
+    """Packed rows. R = rows, L = longest row; P = tokens kept for the loss (mask != 0).
+
+    `tokens_R_L`, `position_ids_R_L` and `attention_mask_R_1_L_L` feed the decoder;
+    `keep_index_P` indexes the flattened `[R*L]` hidden states of the kept positions, in the
+    order of `samples` and then position; `sample_index_P` is the micro-batch-local sample index.
+    """
+
+    samples: list[PreparedSample]
+    tokens_R_L: torch.Tensor
+    position_ids_R_L: torch.Tensor
+    attention_mask_R_1_L_L: torch.Tensor
+    keep_index_P: torch.Tensor
+    sample_index_P: torch.Tensor
+    targets_P: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.length for s in self.samples)
+
+    def gather(self, name: str) -> torch.Tensor | None:
+        """A per-token input of the samples, at the kept positions, in `_P` order."""
+        if not all(name in s.inputs for s in self.samples):
+            return None
+        return torch.cat([s.inputs[name][s.mask_T != 0] for s in self.samples])
+
+    def mask_P(self) -> torch.Tensor:
+        return torch.ones(self.keep_index_P.shape[0], dtype=torch.float32)
+
+
+def pack(
+    samples: list[PreparedSample], *, row_tokens: int = 2048, token_budget: int = 16384
+) -> list[MicroBatch]:
+    """First-fit-decreasing packing into rows, rows grouped into micro-batches by token budget."""
+    capacity = max(row_tokens, max(s.length for s in samples))
+    rows: list[list[PreparedSample]] = []
+    room: list[int] = []
+    for sample in sorted(samples, key=lambda s: (-s.length, s.index)):
+        for r, free in enumerate(room):
+            if sample.length <= free:
+                rows[r].append(sample)
+                room[r] -= sample.length
+                break
+        else:
+            rows.append([sample])
+            room.append(capacity - sample.length)
+    batches: list[list[list[PreparedSample]]] = [[]]
+    used = 0
+    for row in rows:
+        size = sum(s.length for s in row)
+        if batches[-1] and used + size > token_budget:
+            batches.append([])
+            used = 0
+        batches[-1].append(row)
+        used += size
+    return [_build(group) for group in batches]
+
+
+def _build(rows: list[list[PreparedSample]]) -> MicroBatch:
+    width = max(sum(s.length for s in row) for row in rows)
+    tokens = torch.zeros(len(rows), width, dtype=torch.long)
+    positions = torch.zeros(len(rows), width, dtype=torch.long)
+    segment = torch.full((len(rows), width), -1, dtype=torch.long)
+    placed: list[tuple[PreparedSample, int, int]] = []  # sample, row, offset
+    for r, row in enumerate(rows):
+        offset = 0
+        for sample in row:
+            n = sample.length
+            tokens[r, offset : offset + n] = sample.tokens_T
+            positions[r, offset : offset + n] = torch.arange(n)
+            segment[r, offset : offset + n] = sample.index
+            placed.append((sample, r, offset))
+            offset += n
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    same = segment[:, :, None] == segment[:, None, :]
+    mask = (causal[None] & same & (segment[:, :, None] >= 0))[:, None]
+    # Padding rows attend to themselves only, so no softmax row is empty.
+    eye = torch.eye(width, dtype=torch.bool)[None, None]
+    mask = mask | (eye & (segment[:, None, :, None] < 0))
+    placed.sort(key=lambda item: item[0].index)
+    keep, sample_index, targets = [], [], []
+    for local, (sample, r, offset) in enumerate(placed):
+        kept = torch.nonzero(sample.mask_T != 0).squeeze(-1)
+        keep.append(r * width + offset + kept)
+        sample_index.append(torch.full((kept.shape[0],), local, dtype=torch.long))
+        targets.append(sample.targets_T[kept])
+    return MicroBatch(
+        samples=[item[0] for item in placed],
+        tokens_R_L=tokens,
+        position_ids_R_L=positions,
+        attention_mask_R_1_L_L=mask,
+        keep_index_P=torch.cat(keep),
+        sample_index_P=torch.cat(sample_index),
+        targets_P=torch.cat(targets),
+    )

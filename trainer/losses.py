@@ -1,0 +1,311 @@
+"""Built-in RL losses (contract Part B): one pure function per loss, picked from `LOSSES`.
+
+Shape letters: N = tokens of one (micro-)batch, flattened over its samples; B = samples in that
+batch. Per token t: lp_t = current logprob, q_t = sampler logprob (`loss_fn_inputs.logprobs`),
+A_t = advantage, ref_t = reference logprob, m_t = mask in {0, 1}, w_t = weight (cross entropy),
+r_t = exp(lp_t - q_t), sg = stop-gradient.
+
+Reduction, the load-bearing knob, stated here once and in every docstring:
+- Every loss except GRPO is a plain SUM over the masked tokens of the batch (no mean).
+- GRPO divides by call-level denominators taken from `LossNorm` only, never from the batch.
+So the `loss` of a call split into micro-batches (by whole samples, same `LossNorm`) is the sum
+of the micro-batch losses, for every loss and every GRPO aggregation.
+
+Numerics: all loss math is fp32. Masked tokens go through `torch.where(m != 0, expr, 0)`, and
+every exponent is masked *before* `exp`, so a masked token cannot put NaN/Inf into the loss or
+into the gradient (Part B rule 3). Non-finite values at kept tokens are left for the engine to
+report as NON_FINITE_LOSS.
+
+Metrics are `name -> (numerator, denominator)` Python floats; the reported value is
+Σ numerators / Σ denominators over the micro-batches of a call. All are means over masked tokens
+(denominator Σ m):
+- `loss/logprob/mean`: lp_t.
+- `loss/ratio/mean`: r_t (GRPO SEQUENCE: the sample's sequence ratio ρ_t, counted per token).
+- `loss/clip/low_fraction`, `loss/clip/high_fraction` (PPO, CISPO, GRPO): share of masked tokens
+  whose ratio is strictly below `clip_low_threshold` / strictly above `clip_high_threshold`,
+  whatever the sign of A_t (so it measures the ratio's spread, not only the active clips).
+- `loss/kl_ref/mean` (GRPO, whenever reference_logprobs is given): k3_t.
+- `loss/dppo/masked_fraction` (DPPO): share of masked tokens outside the trust region (keep_t = 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from trainer.specs import (
+    LOSS_SPECS,
+    CispoParams,
+    CrossEntropyParams,
+    DppoParams,
+    DroParams,
+    GrpoParams,
+    ImportanceSamplingParams,
+    PpoParams,
+)
+
+Metrics = dict[str, tuple[float, float]]
+
+
+@dataclass(frozen=True)
+class LossNorm:
+    """Call-level denominators, fixed before the first micro-batch of a call."""
+
+    total_mask: float  # Σ m_t over the whole call
+    total_samples: int  # number of samples in the whole call
+    horizon: int  # longest sample's token count in the whole call (FIXED_HORIZON's H)
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    logprobs_N: torch.Tensor  # lp_t, current policy (requires grad in training)
+    sample_index_N: torch.Tensor  # int64 in [0, B): which sample of this batch each token is in
+    num_samples: int  # B
+    mask_N: torch.Tensor  # m_t in {0, 1}
+    norm: LossNorm
+    weights_N: torch.Tensor | None = None  # w_t (cross entropy only)
+    sampler_logprobs_N: torch.Tensor | None = None  # q_t
+    advantages_N: torch.Tensor | None = None  # A_t
+    reference_logprobs_N: torch.Tensor | None = None  # ref_t
+
+
+@dataclass
+class LossOutputs:
+    loss: torch.Tensor  # scalar fp32: this batch's contribution to the call's loss
+    metrics: Metrics = field(default_factory=dict)
+
+
+LossFn = Callable[[LossInputs, Any], LossOutputs]
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _masked(x_N: torch.Tensor, keep_N: torch.Tensor) -> torch.Tensor:
+    """x where keep, else exactly 0 (and a zero gradient into x there)."""
+    return torch.where(keep_N, x_N, 0.0)
+
+
+def _require(tensor: torch.Tensor | None, name: str, loss: str) -> torch.Tensor:
+    if tensor is None:
+        raise ValueError(f"loss_fn_inputs.{name} is required for {loss}")
+    return tensor.float()
+
+
+@torch.no_grad()
+def _token_mean(x_N: torch.Tensor, keep_N: torch.Tensor) -> tuple[float, float]:
+    return float(_masked(x_N.float(), keep_N).sum()), float(keep_N.sum())
+
+
+def _per_sample(x_N: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
+    """Σ over each sample's tokens: [N] -> [B] (differentiable)."""
+    return x_N.new_zeros(inputs.num_samples).index_add(0, inputs.sample_index_N, x_N)
+
+
+class _Policy(NamedTuple):
+    lp_N: torch.Tensor
+    q_N: torch.Tensor
+    adv_N: torch.Tensor
+    keep_N: torch.Tensor
+    log_ratio_N: torch.Tensor  # lp - q at kept tokens, 0 at masked ones (safe to exp)
+    ratio_N: torch.Tensor  # r_t; exactly 1 at masked tokens
+
+
+def _policy(inputs: LossInputs, loss: str) -> _Policy:
+    lp_N = inputs.logprobs_N.float()
+    q_N = _require(inputs.sampler_logprobs_N, "logprobs", loss)
+    adv_N = _require(inputs.advantages_N, "advantages", loss)
+    keep_N = inputs.mask_N != 0
+    log_ratio_N = _masked(lp_N - q_N, keep_N)
+    return _Policy(lp_N, q_N, adv_N, keep_N, log_ratio_N, log_ratio_N.exp())
+
+
+def _ratio_metrics(lp_N: torch.Tensor, ratio_N: torch.Tensor, keep_N: torch.Tensor) -> Metrics:
+    return {
+        "loss/ratio/mean": _token_mean(ratio_N, keep_N),
+        "loss/logprob/mean": _token_mean(lp_N, keep_N),
+    }
+
+
+def _clip_metrics(ratio_N: torch.Tensor, keep_N: torch.Tensor, lo: float, hi: float) -> Metrics:
+    with torch.no_grad():
+        low_N = (ratio_N < lo).float()
+        high_N = (ratio_N > hi).float()
+    return {
+        "loss/clip/low_fraction": _token_mean(low_N, keep_N),
+        "loss/clip/high_fraction": _token_mean(high_N, keep_N),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Losses
+# --------------------------------------------------------------------------------------------
+
+
+def cross_entropy_loss(inputs: LossInputs, params: CrossEntropyParams) -> LossOutputs:
+    """L = Σ_t -w_t · lp_t. Reduction: sum over the batch's tokens with m_t = 1 (m = w≠0)."""
+    w_N = _require(inputs.weights_N, "weights", "LOSS_TYPE_CROSS_ENTROPY")
+    lp_N = inputs.logprobs_N.float()
+    keep_N = inputs.mask_N != 0
+    loss = _masked(-w_N * lp_N, keep_N).sum()
+    return LossOutputs(loss, {"loss/logprob/mean": _token_mean(lp_N, keep_N)})
+
+
+def importance_sampling_loss(inputs: LossInputs, params: ImportanceSamplingParams) -> LossOutputs:
+    """L = Σ_t -m_t · r_t · A_t. Reduction: sum over masked tokens."""
+    p = _policy(inputs, "LOSS_TYPE_IMPORTANCE_SAMPLING")
+    loss = _masked(-p.ratio_N * p.adv_N, p.keep_N).sum()
+    return LossOutputs(loss, _ratio_metrics(p.lp_N, p.ratio_N, p.keep_N))
+
+
+def ppo_loss(inputs: LossInputs, params: PpoParams) -> LossOutputs:
+    """L = Σ_t -m_t · min(r_t·A_t, clip(r_t, lo, hi)·A_t). Reduction: sum over masked tokens."""
+    lo, hi = params.clip_low_threshold, params.clip_high_threshold
+    p = _policy(inputs, "LOSS_TYPE_PPO")
+    clipped_N = p.ratio_N.clamp(lo, hi)
+    objective_N = torch.minimum(p.ratio_N * p.adv_N, clipped_N * p.adv_N)
+    loss = _masked(-objective_N, p.keep_N).sum()
+    metrics = _ratio_metrics(p.lp_N, p.ratio_N, p.keep_N)
+    metrics.update(_clip_metrics(p.ratio_N, p.keep_N, lo, hi))
+    return LossOutputs(loss, metrics)
+
+
+def cispo_loss(inputs: LossInputs, params: CispoParams) -> LossOutputs:
+    """L = Σ_t -m_t · sg(clip(r_t, lo, hi)) · A_t · lp_t. Reduction: sum over masked tokens."""
+    lo, hi = params.clip_low_threshold, params.clip_high_threshold
+    p = _policy(inputs, "LOSS_TYPE_CISPO")
+    weight_N = p.ratio_N.clamp(lo, hi).detach()
+    loss = _masked(-weight_N * p.adv_N * p.lp_N, p.keep_N).sum()
+    metrics = _ratio_metrics(p.lp_N, p.ratio_N, p.keep_N)
+    metrics.update(_clip_metrics(p.ratio_N, p.keep_N, lo, hi))
+    return LossOutputs(loss, metrics)
+
+
+def dro_loss(inputs: LossInputs, params: DroParams) -> LossOutputs:
+    """L = Σ_t -m_t · (A_t · lp_t - (β/2)·(lp_t - q_t)²). Reduction: sum over masked tokens."""
+    p = _policy(inputs, "LOSS_TYPE_DRO")
+    objective_N = p.adv_N * p.lp_N - 0.5 * params.beta * p.log_ratio_N.square()
+    loss = _masked(-objective_N, p.keep_N).sum()
+    return LossOutputs(loss, _ratio_metrics(p.lp_N, p.ratio_N, p.keep_N))
+
+
+def dppo_loss(inputs: LossInputs, params: DppoParams) -> LossOutputs:
+    """L = Σ_t -m_t · keep_t · r_t · A_t. Reduction: sum over masked tokens.
+
+    keep_t (no gradient) is 1 when A_t ≥ 0 and p_t - p'_t ≤ delta_high, or A_t < 0 and
+    p'_t - p_t ≤ delta_low, with p_t = exp(lp_t), p'_t = exp(q_t); both bounds inclusive.
+    """
+    p = _policy(inputs, "LOSS_TYPE_DPPO")
+    with torch.no_grad():
+        prob_N, old_prob_N = p.lp_N.exp(), p.q_N.exp()
+        in_region_N = torch.where(
+            p.adv_N >= 0,
+            prob_N - old_prob_N <= params.delta_high,
+            old_prob_N - prob_N <= params.delta_low,
+        )
+    loss = _masked(-p.ratio_N * p.adv_N, p.keep_N & in_region_N).sum()
+    metrics = _ratio_metrics(p.lp_N, p.ratio_N, p.keep_N)
+    metrics["loss/dppo/masked_fraction"] = _token_mean((~in_region_N).float(), p.keep_N)
+    return LossOutputs(loss, metrics)
+
+
+def _sequence_ratio(p: _Policy, inputs: LossInputs) -> torch.Tensor:
+    """GSPO: ρ_t = exp(mean_{t∈m}(sg(lp) - q)) · exp(lp_t - sg(lp_t)); 1 in an all-masked sample."""
+    count_B = _per_sample(p.keep_N.float(), inputs)
+    mean_B = _per_sample(p.log_ratio_N.detach(), inputs) / count_B.clamp(min=1.0)
+    return mean_B[inputs.sample_index_N].exp() * _masked(p.lp_N - p.lp_N.detach(), p.keep_N).exp()
+
+
+_GRPO_RATIOS: dict[str, Callable[[_Policy, LossInputs], torch.Tensor]] = {
+    "GRPO_LOSS_RATIO_TYPE_TOKEN": lambda p, inputs: p.ratio_N,
+    "GRPO_LOSS_RATIO_TYPE_SEQUENCE": _sequence_ratio,
+}
+
+
+def _token_mean_agg(loss_N: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
+    """Σ m·ℓ / max(1, Σ_call m)."""
+    return loss_N.sum() / max(1.0, float(inputs.norm.total_mask))
+
+
+def _sequence_mean_agg(loss_N: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
+    """Σ_samples [Σ_t m·ℓ / max(1, Σ_t m)] / max(1, samples in the call)."""
+    count_B = _per_sample((inputs.mask_N != 0).float(), inputs)
+    per_sample_B = _per_sample(loss_N, inputs) / count_B.clamp(min=1.0)
+    return per_sample_B.sum() / max(1, inputs.norm.total_samples)
+
+
+def _fixed_horizon_agg(loss_N: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
+    """Σ m·ℓ / max(1, samples in the call · H)."""
+    return loss_N.sum() / max(1, inputs.norm.total_samples * inputs.norm.horizon)
+
+
+_GRPO_AGGREGATIONS: dict[str, Callable[[torch.Tensor, LossInputs], torch.Tensor]] = {
+    "GRPO_LOSS_AGGREGATION_TYPE_UNSPECIFIED": _token_mean_agg,
+    "GRPO_LOSS_AGGREGATION_TYPE_TOKEN_MEAN": _token_mean_agg,
+    "GRPO_LOSS_AGGREGATION_TYPE_SEQUENCE_MEAN": _sequence_mean_agg,
+    "GRPO_LOSS_AGGREGATION_TYPE_FIXED_HORIZON": _fixed_horizon_agg,
+}
+
+
+def grpo_loss(inputs: LossInputs, params: GrpoParams) -> LossOutputs:
+    """ℓ_t = -min(ρ_t·A_t, clip(ρ_t, lo, hi)·A_t) + β·k3_t, k3_t = exp(d_t) - d_t - 1.
+
+    d_t = ref_t - lp_t; ρ_t = r_t (ratio_type TOKEN) or the GSPO sequence ratio (SEQUENCE, see
+    `_sequence_ratio`).
+    Reduction over the whole call, with denominators from `inputs.norm` only (agg_type):
+    TOKEN_MEAN / UNSPECIFIED Σ m·ℓ / max(1, Σ m); SEQUENCE_MEAN mean over the call's samples of
+    Σ_t m·ℓ / max(1, Σ_t m); FIXED_HORIZON Σ m·ℓ / (samples · H).
+    """
+    lo, hi = params.clip_low_threshold, params.clip_high_threshold
+    if params.beta > 0 and inputs.reference_logprobs_N is None:
+        raise ValueError("loss_fn_inputs.reference_logprobs is required when grpo_params.beta > 0")
+    p = _policy(inputs, "LOSS_TYPE_GRPO")
+    ratio_N = _GRPO_RATIOS[params.ratio_type](p, inputs)
+    loss_N = -torch.minimum(ratio_N * p.adv_N, ratio_N.clamp(lo, hi) * p.adv_N)
+    metrics = _ratio_metrics(p.lp_N, ratio_N, p.keep_N)
+    metrics.update(_clip_metrics(ratio_N, p.keep_N, lo, hi))
+    if inputs.reference_logprobs_N is not None:
+        ref_diff_N = _masked(inputs.reference_logprobs_N.float() - p.lp_N, p.keep_N)
+        k3_N = ref_diff_N.exp() - ref_diff_N - 1.0
+        metrics["loss/kl_ref/mean"] = _token_mean(k3_N, p.keep_N)
+        if params.beta > 0:
+            loss_N = loss_N + params.beta * k3_N
+    loss = _GRPO_AGGREGATIONS[params.agg_type](_masked(loss_N, p.keep_N), inputs)
+    return LossOutputs(loss, metrics)
+
+
+def custom_loss(inputs: LossInputs, gradients_N: torch.Tensor) -> LossOutputs:
+    """L = Σ_t m_t · g_t · lp_t, so dL/dlp_t = m_t·g_t (custom forward-backward). Sum, no mean."""
+    lp_N = inputs.logprobs_N.float()
+    keep_N = inputs.mask_N != 0
+    loss = _masked(gradients_N.float() * lp_N, keep_N).sum()
+    return LossOutputs(loss, {"loss/logprob/mean": _token_mean(lp_N, keep_N)})
+
+
+# --------------------------------------------------------------------------------------------
+# Registry
+# --------------------------------------------------------------------------------------------
+
+LOSSES: dict[str, LossFn] = {
+    "LOSS_TYPE_CROSS_ENTROPY": cross_entropy_loss,
+    "LOSS_TYPE_IMPORTANCE_SAMPLING": importance_sampling_loss,
+    "LOSS_TYPE_PPO": ppo_loss,
+    "LOSS_TYPE_CISPO": cispo_loss,
+    "LOSS_TYPE_DRO": dro_loss,
+    "LOSS_TYPE_DPPO": dppo_loss,
+    "LOSS_TYPE_GRPO": grpo_loss,
+}
+
+
+def compute_loss(loss_type: str, inputs: LossInputs, params: Any = None) -> LossOutputs:
+    """Look the loss up in `LOSSES`; `params=None` takes that loss's default params."""
+    if loss_type not in LOSSES:
+        raise ValueError(f"loss.type {loss_type!r} is not one of {sorted(LOSSES)}")
+    if params is None:
+        params = LOSS_SPECS[loss_type][1]()
+    return LOSSES[loss_type](inputs, params)

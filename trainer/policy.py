@@ -1,0 +1,282 @@
+"""What a session trains: a LoRA adapter on a shared base, or the full weights.
+
+A policy owns the trainable tensors of one session under canonical names (peft's adapter-free
+state-dict keys for LoRA, the model's parameter names for full weights), the *published* copy
+the generator samples from, and the exports. The two kinds share one interface, so the session
+code never asks which one it has.
+
+Isolation of LoRA sessions: each session is its own named peft adapter (`s<n>`), with a second
+adapter (`s<n>p`) holding its published weights. Only the active adapter takes part in a
+forward pass, the optimizer of a session holds only its adapter's tensors, and every compute
+call activates its adapter under the resource lock.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import copy
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer.model import (
+    is_tied,
+    peft_lora_config,
+    quiet_peft_warnings,
+    save_merged,
+)
+from trainer.specs import LoraConfig
+
+
+class Policy(abc.ABC):
+    """Interface shared by the LoRA and the full-weight policies."""
+
+    kind: str
+    trainable: dict[str, nn.Parameter]
+
+    @property
+    @abc.abstractmethod
+    def model(self) -> Any:
+        """The transformers model whose forward uses the active weights."""
+
+    @abc.abstractmethod
+    def training(self, train: bool) -> contextlib.AbstractContextManager[None]:
+        """Make this session's trainable weights the active ones (train or eval mode)."""
+
+    @abc.abstractmethod
+    def published(self) -> contextlib.AbstractContextManager[nn.Module]:
+        """Make the published weights the active ones; yields the model to sample from."""
+
+    @abc.abstractmethod
+    def publish(self, snapshot: dict[str, torch.Tensor] | None = None) -> None:
+        """Copy the trainable weights (or an earlier snapshot of them) to the generator."""
+
+    @abc.abstractmethod
+    def export_inference(self, out_dir: Path, tokenizer: Any) -> None:
+        """Write the servable weights: `merged/`, and `adapter/` for LoRA."""
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().clone() for name, p in self.trainable.items()}
+
+    def load_weights(self, weights: dict[str, torch.Tensor], where: str) -> None:
+        """Copy tensors by canonical name into the trainable weights (all names must match)."""
+        missing = sorted(set(self.trainable) - set(weights))
+        unexpected = sorted(set(weights) - set(self.trainable))
+        if missing or unexpected:
+            raise ValueError(
+                f"{where}: weights do not match this model "
+                f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+            )
+        with torch.no_grad():
+            for name, param in self.trainable.items():
+                if weights[name].shape != param.shape:
+                    raise ValueError(
+                        f"{where}: {name} has shape {tuple(weights[name].shape)}, "
+                        f"expected {tuple(param.shape)}"
+                    )
+            for name, param in self.trainable.items():
+                param.copy_(weights[name].to(param.device, param.dtype))
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release what this policy holds on the resource."""
+
+
+class LoraPolicy(Policy):
+    kind = "lora"
+
+    def __init__(
+        self,
+        resource_model: Any,
+        peft_holder: dict[str, Any],
+        name: str,
+        config: LoraConfig,
+        seed: int,
+        with_generator: bool,
+    ) -> None:
+        self.name = name
+        self.pub_name = f"{name}p"
+        self.config = config
+        self.seed = seed
+        peft_config = peft_lora_config(resource_model, config)
+        with quiet_peft_warnings(), torch.random.fork_rng(devices=_cuda_devices()):
+            torch.manual_seed(seed)
+            if peft_holder.get("model") is None:
+                from peft import get_peft_model
+
+                peft_holder["model"] = get_peft_model(
+                    resource_model, peft_config, adapter_name=name
+                )
+            else:
+                peft_holder["model"].add_adapter(name, peft_config)
+            self.peft = peft_holder["model"]
+            if with_generator:
+                self.peft.add_adapter(self.pub_name, peft_config)
+        self.with_generator = with_generator
+        suffix = f".{name}."
+        self.trainable = {
+            n.replace(suffix, "."): p for n, p in self.peft.named_parameters() if suffix in n
+        }
+        self._pub = {
+            n.replace(f".{self.pub_name}.", "."): p
+            for n, p in self.peft.named_parameters()
+            if f".{self.pub_name}." in n
+        }
+        self.trainable_requires_grad()
+        self.publish()
+
+    @property
+    def model(self) -> Any:
+        return self.peft.base_model.model
+
+    def trainable_requires_grad(self) -> None:
+        for param in self.trainable.values():
+            param.requires_grad_(True)
+
+    def _activate(self, adapter: str) -> None:
+        with quiet_peft_warnings():
+            self.peft.base_model.set_adapter(adapter)
+        for module in self.peft.modules():  # set_adapter may leave other adapters trainable
+            if hasattr(module, "lora_A"):
+                for key in module.lora_A:
+                    trainable = key == adapter
+                    module.lora_A[key].requires_grad_(trainable)
+                    module.lora_B[key].requires_grad_(trainable)
+
+    @contextlib.contextmanager
+    def training(self, train: bool) -> Iterator[None]:
+        self._activate(self.name)
+        self.peft.train(train)
+        try:
+            yield
+        finally:
+            self.peft.eval()
+
+    @contextlib.contextmanager
+    def published(self) -> Iterator[nn.Module]:
+        if not self.with_generator:
+            raise RuntimeError("this resource has no generator")
+        self._activate(self.pub_name)
+        self.peft.eval()
+        yield self.model
+
+    def publish(self, snapshot: dict[str, torch.Tensor] | None = None) -> None:
+        if not self.with_generator:
+            return
+        source = snapshot if snapshot is not None else self.trainable
+        with torch.no_grad():
+            for name, param in self._pub.items():
+                param.copy_(source[name])
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """peft's adapter-free keys (`...q_proj.lora_A.weight`), on CPU."""
+        return {name: p.detach().to("cpu").clone() for name, p in self.trainable.items()}
+
+    def peft_config_dict(self) -> dict[str, Any]:
+        config = self.peft.peft_config[self.name].to_dict()
+        config["target_modules"] = sorted(config["target_modules"])
+        config["base_model_name_or_path"] = None
+        config.pop("runtime_config", None)
+        return json.loads(json.dumps(config, default=_jsonable))
+
+    def lora_deltas(self) -> dict[str, torch.Tensor]:
+        deltas = {}
+        for path, module in self.model.named_modules():
+            if hasattr(module, "lora_A") and self.name in module.lora_A:
+                deltas[path] = module.get_delta_weight(self.name).detach()
+        return deltas
+
+    def export_inference(self, out_dir: Path, tokenizer: Any) -> None:
+        from safetensors.torch import save_file
+
+        adapter = out_dir / "adapter"
+        adapter.mkdir(parents=True)
+        save_file(
+            self.adapter_state(),
+            str(adapter / "adapter_model.safetensors"),
+            metadata={"format": "pt"},
+        )
+        (adapter / "adapter_config.json").write_text(json.dumps(self.peft_config_dict(), indent=2))
+        save_merged(self.model, out_dir / "merged", self.lora_deltas(), tokenizer)
+
+    def close(self) -> None:
+        with quiet_peft_warnings():
+            for adapter in (self.name, self.pub_name):
+                if adapter in self.peft.peft_config:
+                    if len(self.peft.peft_config) == 1:
+                        # peft refuses to delete the last adapter: zero it and keep it idle
+                        self._zero(adapter)
+                        continue
+                    self.peft.base_model.delete_adapter(adapter)
+
+    def _zero(self, adapter: str) -> None:
+        with torch.no_grad():
+            for n, p in self.peft.named_parameters():
+                if f".{adapter}." in n:
+                    p.zero_()
+                    p.requires_grad_(False)
+
+
+class FullPolicy(Policy):
+    kind = "full"
+
+    def __init__(self, resource_model: Any, with_generator: bool) -> None:
+        self._model = resource_model
+        self._model.requires_grad_(True)
+        self.trainable = dict(self._model.named_parameters())
+        self.generator = (
+            copy.deepcopy(self._model).requires_grad_(False) if with_generator else None
+        )
+        self.tied = is_tied(self._model)
+
+    @property
+    def model(self) -> Any:
+        return self._model
+
+    @contextlib.contextmanager
+    def training(self, train: bool) -> Iterator[None]:
+        self._model.train(train)
+        try:
+            yield
+        finally:
+            self._model.eval()
+
+    @contextlib.contextmanager
+    def published(self) -> Iterator[nn.Module]:
+        if self.generator is None:
+            raise RuntimeError("this resource has no generator")
+        self.generator.eval()
+        yield self.generator
+
+    def publish(self, snapshot: dict[str, torch.Tensor] | None = None) -> None:
+        if self.generator is None:
+            return
+        source = snapshot if snapshot is not None else self.trainable
+        targets = dict(self.generator.named_parameters())
+        with torch.no_grad():
+            for name, param in targets.items():
+                param.copy_(source[name])
+
+    def export_inference(self, out_dir: Path, tokenizer: Any) -> None:
+        save_merged(self._model, out_dir / "merged", {}, tokenizer)
+
+    def close(self) -> None:
+        self._model.requires_grad_(False)
+        for param in self._model.parameters():
+            param.grad = None
+        self.generator = None
+
+
+def _cuda_devices() -> list[int]:
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, set):
+        return sorted(value)
+    return str(value)

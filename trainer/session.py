@@ -1,0 +1,611 @@
+"""One training session: its policy, optimizer, counters and RNG, and its atomic operations.
+
+Every operation validates its input before touching any state, runs under the resource lock
+(one GPU, many LoRA sessions), and either completes or leaves no trace:
+- forward-backward computes new gradients apart from the accumulated ones and adds them only
+  when loss and gradients are finite;
+- optim-step checks the gradient norm before AdamW touches a weight;
+- a checkpoint is listed only once complete (see `checkpoints.py`).
+
+Each session has its own RNG state (LoRA dropout, sampling without a seed): it is swapped in
+for the session's operations only, so interleaved sessions do not perturb each other and a
+resumed session continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import save_file
+
+from trainer import sampler
+from trainer.batch import MicroBatch, PreparedSample, loss_norm, pack, prepare_samples
+from trainer.checkpoints import INFERENCE, TRAINING, CheckpointRecord, write_json
+from trainer.errors import OperationError, invalid
+from trainer.logprobs import token_logprobs
+from trainer.losses import LossInputs, LossOutputs, compute_loss, custom_loss
+from trainer.policy import Policy
+from trainer.specs import (
+    AdamParams,
+    Gradient,
+    LossConfig,
+    ModelInput,
+    Sample,
+    SamplingParams,
+    SessionSpec,
+)
+
+if TYPE_CHECKING:
+    from trainer.resource import ModelResource
+
+SYNC_TYPES = (
+    "WEIGHT_SYNC_TYPE_SYNCHRONOUS",
+    "WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH",
+    "WEIGHT_SYNC_TYPE_PIPELINE",
+)
+CHECKPOINT_FORMAT = 1
+
+
+@dataclass
+class Versions:
+    """Part B §8: trainer_step counts optim-steps; the generator serves `applied`."""
+
+    trainer_step: int = 0
+    target_weights_version: int = 0
+    applied_weights_version: int = 0
+    pending: tuple[dict[str, torch.Tensor], int] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "trainer_step": self.trainer_step,
+            "target_weights_version": self.target_weights_version,
+            "applied_weights_version": self.applied_weights_version,
+            "pending_publish": self.pending is not None,
+        }
+
+
+@dataclass
+class EngineOptions:
+    row_tokens: int = 2048  # packing: tokens per packed row
+    token_budget: int = 16384  # tokens per micro-batch
+    chunk_tokens: int = 1024  # logprob head chunk
+
+
+@dataclass
+class TrainingSession:
+    resource: ModelResource
+    id: str
+    spec: SessionSpec
+    policy: Policy
+    rng_seed: int
+    step: int = 0
+    versions: Versions = field(default_factory=Versions)
+    options: EngineOptions = field(default_factory=EngineOptions)
+    training_checkpoints: list[CheckpointRecord] = field(default_factory=list)
+    inference_checkpoints: list[CheckpointRecord] = field(default_factory=list)
+    active: bool = True
+
+    def __post_init__(self) -> None:
+        params = list(self.policy.trainable.values())
+        self.optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
+        gen = torch.Generator().manual_seed(self.rng_seed)
+        self._cpu_rng = gen.get_state()
+        self._cuda_rng = [torch.cuda.get_rng_state(i) for i in _cuda_devices()]
+
+    # -- state -----------------------------------------------------------------------------
+
+    def policy_state(self) -> dict[str, Any]:
+        return self.versions.as_dict()
+
+    @property
+    def device(self) -> torch.device:
+        return self.resource.device
+
+    @contextlib.contextmanager
+    def _running(self) -> Iterator[None]:
+        """Resource lock + this session's RNG state swapped in for the operation."""
+        if not self.active:
+            raise OperationError("SESSION_NOT_ACTIVE", f"session {self.id} is not running")
+        with self.resource.lock, torch.random.fork_rng(devices=_cuda_devices()):
+            torch.set_rng_state(self._cpu_rng)
+            for i, state in enumerate(self._cuda_rng):
+                torch.cuda.set_rng_state(state, i)
+            try:
+                yield
+            finally:
+                self._cpu_rng = torch.get_rng_state()
+                self._cuda_rng = [torch.cuda.get_rng_state(i) for i in _cuda_devices()]
+
+    def _prepare(
+        self,
+        samples: list[Sample],
+        required: tuple[str, ...] = (),
+        weights_are_mask: bool = True,
+        gradients: list[Gradient] | None = None,
+    ) -> list[PreparedSample]:
+        entry = self.resource.entry
+        return prepare_samples(
+            samples,
+            vocab_size=self.resource.vocab_size,
+            max_seq_length=entry.max_seq_length,
+            max_batch_size=entry.max_batch_size,
+            required=required,
+            weights_are_mask=weights_are_mask,
+            gradients=gradients,
+        )
+
+    # -- forward / backward ----------------------------------------------------------------
+
+    def forward_backward(
+        self,
+        loss: LossConfig,
+        samples: list[Sample],
+        *,
+        forward_only: bool = False,
+        return_loss_fn_outputs: bool = False,
+    ) -> dict[str, Any]:
+        """Part B §1–5. Returns {"loss", "metrics", "loss_fn_outputs"?}."""
+        params = loss.params()
+        is_ce = loss.type == "LOSS_TYPE_CROSS_ENTROPY"
+        prepared = self._prepare(samples, loss.required_inputs, weights_are_mask=not is_ce)
+        if loss.type == "LOSS_TYPE_GRPO" and getattr(params, "beta", 0.0) > 0:
+            for s in prepared:
+                if "reference_logprobs" not in s.inputs:
+                    raise invalid(
+                        f"samples[{s.index}].loss_fn_inputs.reference_logprobs",
+                        "is required when grpo_params.beta > 0",
+                    )
+
+        def fn(inputs: LossInputs, _: MicroBatch) -> LossOutputs:
+            return compute_loss(loss.type, inputs, params)
+
+        return self._run(prepared, fn, forward_only, return_loss_fn_outputs)
+
+    def custom_forward_backward(
+        self, samples: list[Sample], gradients: list[Gradient]
+    ) -> dict[str, Any]:
+        """Backpropagate Σ_t m_t · g_t · lp_t with the client's per-token gradients g."""
+        prepared = self._prepare(samples, gradients=gradients)
+
+        def fn(inputs: LossInputs, batch: MicroBatch) -> LossOutputs:
+            grads = batch.gather("gradients")
+            assert grads is not None
+            return custom_loss(inputs, grads.to(inputs.logprobs_N.device))
+
+        self._run(prepared, fn, forward_only=False, return_outputs=False)
+        return {}
+
+    def _run(
+        self,
+        prepared: list[PreparedSample],
+        fn: Callable[[LossInputs, MicroBatch], LossOutputs],
+        forward_only: bool,
+        return_outputs: bool,
+    ) -> dict[str, Any]:
+        norm = loss_norm(prepared)
+        batches = pack(
+            prepared, row_tokens=self.options.row_tokens, token_budget=self.options.token_budget
+        )
+        with self._running(), self.policy.training(train=not forward_only):
+            stash = None if forward_only else self._stash_grads()
+            try:
+                result = self._run_batches(batches, norm, fn, forward_only, return_outputs)
+                if not forward_only:
+                    self._check_new_grads()
+            except BaseException:
+                if stash is not None:
+                    self._restore_grads(stash)
+                raise
+            if stash is not None:
+                self._merge_grads(stash)
+        return result
+
+    def _run_batches(
+        self,
+        batches: list[MicroBatch],
+        norm: Any,
+        fn: Callable[[LossInputs, MicroBatch], LossOutputs],
+        forward_only: bool,
+        return_outputs: bool,
+    ) -> dict[str, Any]:
+        total = 0.0
+        sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        outputs: dict[int, torch.Tensor] = {}
+        for batch in batches:
+            with torch.set_grad_enabled(not forward_only):
+                logprobs_P, entropy_P = self._logprobs(batch, with_entropy=forward_only)
+                inputs = self._loss_inputs(batch, logprobs_P, norm)
+                try:
+                    out = fn(inputs, batch)
+                except ValueError as exc:
+                    raise OperationError("INVALID_INPUT", str(exc)) from None
+            if not torch.isfinite(out.loss):
+                raise OperationError("NON_FINITE_LOSS", f"the loss is not finite ({out.loss})")
+            if not forward_only and out.loss.requires_grad:
+                out.loss.backward()
+            total += float(out.loss.detach())
+            for name, (num, den) in out.metrics.items():
+                sums[name][0] += num
+                sums[name][1] += den
+            lp = logprobs_P.detach().float().cpu()
+            if entropy_P is not None:
+                sums["loss/entropy/mean"][0] += float(entropy_P.sum())
+                sums["loss/entropy/mean"][1] += float(entropy_P.numel())
+            if return_outputs:
+                self._collect_outputs(batch, lp, outputs)
+        metrics = {name: (num / den if den else 0.0) for name, (num, den) in sums.items()}
+        metrics["loss/tokens"] = norm.total_mask
+        result: dict[str, Any] = {"loss": total, "metrics": metrics}
+        if return_outputs:
+            result["loss_fn_outputs"] = [
+                {"tensors": {"logprobs": {"data": outputs[i].tolist(), "dtype": "float32"}}}
+                for i in sorted(outputs)
+            ]
+        return result
+
+    def _logprobs(
+        self, batch: MicroBatch, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        model = self.policy.model
+        device = self.device
+        hidden = model.get_decoder()(
+            input_ids=batch.tokens_R_L.to(device),
+            position_ids=batch.position_ids_R_L.to(device),
+            attention_mask=batch.attention_mask_R_1_L_L.to(device),
+            use_cache=False,
+        ).last_hidden_state
+        hidden_P_H = hidden.reshape(-1, hidden.shape[-1])[batch.keep_index_P.to(device)]
+        return token_logprobs(
+            hidden_P_H,
+            model.get_output_embeddings(),
+            batch.targets_P.to(device),
+            chunk_tokens=self.options.chunk_tokens,
+            with_entropy=with_entropy,
+        )
+
+    def _loss_inputs(self, batch: MicroBatch, logprobs_P: torch.Tensor, norm: Any) -> LossInputs:
+        device = logprobs_P.device
+
+        def get(name: str) -> torch.Tensor | None:
+            value = batch.gather(name)
+            return None if value is None else value.to(device)
+
+        return LossInputs(
+            logprobs_N=logprobs_P,
+            sample_index_N=batch.sample_index_P.to(device),
+            num_samples=len(batch.samples),
+            mask_N=batch.mask_P().to(device),
+            norm=norm,
+            weights_N=get("weights"),
+            sampler_logprobs_N=get("logprobs"),
+            advantages_N=get("advantages"),
+            reference_logprobs_N=get("reference_logprobs"),
+        )
+
+    @staticmethod
+    def _collect_outputs(
+        batch: MicroBatch, logprobs_P: torch.Tensor, outputs: dict[int, torch.Tensor]
+    ) -> None:
+        offset = 0
+        for sample in batch.samples:
+            kept = sample.mask_T != 0
+            n = int(kept.sum())
+            full = torch.zeros(sample.length, dtype=torch.float32)
+            full[kept] = logprobs_P[offset : offset + n]
+            outputs[sample.index] = full
+            offset += n
+
+    # -- gradients, kept apart until they are known to be finite ---------------------------
+
+    def _stash_grads(self) -> dict[str, torch.Tensor | None]:
+        stash = {}
+        for name, param in self.policy.trainable.items():
+            stash[name] = param.grad
+            param.grad = None
+        return stash
+
+    def _check_new_grads(self) -> None:
+        grads = [p.grad for p in self.policy.trainable.values() if p.grad is not None]
+        if grads and not torch.isfinite(torch.nn.utils.get_total_norm(grads)):
+            raise OperationError("NON_FINITE_LOSS", "the gradient is not finite")
+
+    def _restore_grads(self, stash: dict[str, torch.Tensor | None]) -> None:
+        for name, param in self.policy.trainable.items():
+            param.grad = stash[name]
+
+    def _merge_grads(self, stash: dict[str, torch.Tensor | None]) -> None:
+        for name, param in self.policy.trainable.items():
+            old = stash[name]
+            if old is None:
+                continue
+            param.grad = old if param.grad is None else old.add_(param.grad)
+
+    # -- optimizer -------------------------------------------------------------------------
+
+    def optim_step(self, adam: AdamParams) -> dict[str, Any]:
+        """AdamW (decoupled decay) with per-call knobs, global-norm clipping, then zero grads."""
+        with self._running():
+            params = list(self.policy.trainable.values())
+            grads = [p.grad for p in params if p.grad is not None]
+            norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+            if not torch.isfinite(torch.tensor(norm)):
+                raise OperationError("NON_FINITE_LOSS", f"the gradient norm is {norm}")
+            if adam.grad_clip_norm > 0 and grads:
+                torch.nn.utils.clip_grads_with_norm_(
+                    params, adam.grad_clip_norm, torch.tensor(norm)
+                )
+            clipped = min(norm, adam.grad_clip_norm) if adam.grad_clip_norm > 0 else norm
+            for group in self.optimizer.param_groups:
+                group.update(
+                    lr=adam.learning_rate,
+                    betas=(adam.beta1, adam.beta2),
+                    eps=adam.eps,
+                    weight_decay=adam.weight_decay,
+                )
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            self.versions.trainer_step += 1
+        return {
+            "step": self.step,
+            "metrics": {
+                "grad_norm": norm,
+                "grad_norm_clipped": clipped,
+                "learning_rate": adam.learning_rate,
+            },
+        }
+
+    # -- generator -------------------------------------------------------------------------
+
+    def weights_sync(self, sync_type: str) -> dict[str, Any]:
+        """SYNCHRONOUS: live on return. BACKGROUND_PUBLISH and PIPELINE: a snapshot is queued
+        and the next sample applies it before generating (`pending_publish` until then)."""
+        if sync_type not in SYNC_TYPES:
+            raise invalid("weight_sync_type", f"must be one of {', '.join(SYNC_TYPES)}")
+        self._require_generator()
+        with self._running():
+            version = self.versions.trainer_step
+            self.versions.target_weights_version = version
+            if sync_type == "WEIGHT_SYNC_TYPE_SYNCHRONOUS":
+                self.policy.publish()
+                self.versions.applied_weights_version = version
+                self.versions.pending = None
+            else:
+                self.versions.pending = (self.policy.snapshot(), version)
+        return {"weights_version": version}
+
+    def _apply_pending(self) -> None:
+        if self.versions.pending is not None:
+            snapshot, version = self.versions.pending
+            self.policy.publish(snapshot)
+            self.versions.applied_weights_version = version
+            self.versions.pending = None
+
+    def _require_generator(self) -> None:
+        if not self.resource.has_generator:
+            raise invalid(
+                "compute_config.num_generator_replicas",
+                "this resource has no generator (0 replicas): sample and weights-sync are off",
+            )
+
+    def sample(
+        self,
+        model_inputs: list[ModelInput],
+        *,
+        num_samples: int = 1,
+        sampling_params: SamplingParams | None = None,
+        prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+    ) -> dict[str, Any]:
+        params = sampling_params or SamplingParams()
+        self._require_generator()
+        prompts = self._check_prompts(model_inputs, num_samples, params, topk_prompt_logprobs)
+        stop_hit = self._stop_checker(params.stop)
+        with self._running():
+            self._apply_pending()
+            version = self.versions.applied_weights_version
+            with self.policy.published() as model:
+                groups = sampler.generate(
+                    model,
+                    prompts,
+                    num_samples=num_samples,
+                    params=params,
+                    eos_ids=self.resource.eos_ids,
+                    stop_hit=stop_hit,
+                    seed=params.seed,
+                )
+                results = []
+                for prompt, group in zip(prompts, groups, strict=True):
+                    result: dict[str, Any] = {
+                        "sequences": [
+                            {
+                                "tokens": seq.tokens,
+                                "logprobs": seq.logprobs,
+                                "stop_reason": seq.stop_reason,
+                                "prompt_cache_hit_tokens": 0,
+                            }
+                            for seq in group
+                        ],
+                        "policy_segments": [{"start_token": 0, "version": version}],
+                    }
+                    if prompt_logprobs or topk_prompt_logprobs:
+                        lps, top = sampler.prompt_logprobs(model, prompt, topk_prompt_logprobs)
+                        if prompt_logprobs:
+                            result["prompt_logprobs"] = lps
+                        if topk_prompt_logprobs:
+                            result["topk_prompt_logprobs"] = top
+                    results.append(result)
+        return {"results": results}
+
+    def _check_prompts(
+        self,
+        model_inputs: list[ModelInput],
+        num_samples: int,
+        params: SamplingParams,
+        topk: int,
+    ) -> list[list[int]]:
+        entry = self.resource.entry
+        if not model_inputs:
+            raise invalid("model_inputs", "at least one prompt is required")
+        if not 1 <= num_samples <= entry.max_batch_size:
+            raise invalid("num_samples", f"must be in [1, {entry.max_batch_size}]")
+        if len(model_inputs) * num_samples > entry.max_batch_size:
+            raise invalid(
+                "num_samples",
+                f"{len(model_inputs)} prompts x {num_samples} samples exceed "
+                f"max_batch_size {entry.max_batch_size}",
+            )
+        if not 0 <= topk <= 20:
+            raise invalid("topk_prompt_logprobs", "must be in [0, 20]")
+        prompts = []
+        for i, model_input in enumerate(model_inputs):
+            tokens = model_input.tokens
+            if not tokens:
+                raise invalid(f"model_inputs[{i}]", "has no tokens")
+            for j, token in enumerate(tokens):
+                if not 0 <= token < self.resource.vocab_size:
+                    raise invalid(
+                        f"model_inputs[{i}].chunks[{j}]",
+                        f"token id {token} out of range [0, {self.resource.vocab_size})",
+                    )
+            if len(tokens) + params.max_tokens > entry.max_seq_length:
+                raise invalid(
+                    "sampling_params.max_tokens",
+                    f"prompt {i} ({len(tokens)} tokens) + max_tokens {params.max_tokens} "
+                    f"exceeds the context length {entry.max_seq_length}",
+                )
+            prompts.append(tokens)
+        return prompts
+
+    def _stop_checker(self, stops: list[str]) -> Callable[[list[int]], bool] | None:
+        if not stops:
+            return None
+        tokenizer = self.resource.tokenizer
+        if tokenizer is None:
+            raise invalid(
+                "sampling_params.stop", "stop strings need a tokenizer and this model has none"
+            )
+
+        def hit(tokens: list[int]) -> bool:
+            text = tokenizer.decode(tokens[-32:], skip_special_tokens=False)
+            return any(stop in text for stop in stops)
+
+        return hit
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def save_training_checkpoint(self) -> CheckpointRecord:
+        """Weights (adapter or full), AdamW state, counters, RNG states and specs."""
+        with self._running():
+            weights = {n: p.detach().to("cpu").clone() for n, p in self.policy.trainable.items()}
+            optimizer = self._optimizer_tensors()
+            rng = {"cpu": self._cpu_rng.clone()}
+            rng.update({f"cuda{i}": s.clone() for i, s in enumerate(self._cuda_rng)})
+            state = self._state_json()
+        store = self.resource.store
+
+        def writer(out: Path) -> None:
+            save_file(weights, str(out / "weights.safetensors"))
+            save_file(optimizer, str(out / "optimizer.safetensors"))
+            save_file(rng, str(out / "rng.safetensors"))
+            write_json(out / "state.json", state)
+
+        record = store.write(
+            type=TRAINING,
+            session_id=self.id,
+            step=self.step,
+            base_model=self.resource.entry.name,
+            lora_rank=self._lora_rank(),
+            writer=writer,
+            meta={"kind": self.policy.kind},
+        )
+        self.training_checkpoints.append(record)
+        return record
+
+    def save_inference_checkpoint(self) -> CheckpointRecord:
+        """LoRA: `adapter/` (PEFT) + `merged/`; full weights: `merged/`."""
+        state = self._state_json()
+
+        def writer(out: Path) -> None:
+            self.policy.export_inference(out, self.resource.tokenizer)
+            write_json(out / "state.json", state)
+
+        with self._running():
+            record = self.resource.store.write(
+                type=INFERENCE,
+                session_id=self.id,
+                step=self.step,
+                base_model=self.resource.entry.name,
+                lora_rank=self._lora_rank(),
+                writer=writer,
+                meta={"kind": self.policy.kind},
+            )
+        self.inference_checkpoints.append(record)
+        return record
+
+    def _lora_rank(self) -> int | None:
+        config = getattr(self.policy, "config", None)
+        return None if config is None else int(config.rank)
+
+    def _state_json(self) -> dict[str, Any]:
+        config = getattr(self.policy, "config", None)
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "kind": self.policy.kind,
+            "base_model": self.resource.entry.name,
+            "step": self.step,
+            "trainer_step": self.versions.trainer_step,
+            "lora_config": None if config is None else config.model_dump(),
+            "lora_seed": getattr(self.policy, "seed", None),
+            "rng_seed": self.rng_seed,
+            "session_spec": json.loads(self.spec.model_dump_json()),
+            "resource_spec": json.loads(self.resource.spec.model_dump_json()),
+        }
+
+    def _optimizer_tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, param in self.policy.trainable.items():
+            state = self.optimizer.state.get(param)
+            if not state:
+                continue
+            for key, value in state.items():
+                out[f"{name}::{key}"] = value.detach().to("cpu").clone()
+        return out
+
+    def load_optimizer_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        by_param: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+        for key, value in tensors.items():
+            name, _, slot = key.rpartition("::")
+            if name not in self.policy.trainable:
+                raise ValueError(f"optimizer state names an unknown tensor {name}")
+            by_param[name][slot] = value
+        for name, state in by_param.items():
+            param = self.policy.trainable[name]
+            self.optimizer.state[param] = {
+                slot: (v if slot == "step" else v.to(param.device)) for slot, v in state.items()
+            }
+
+    def restore_rng(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._cpu_rng = tensors["cpu"].clone()
+        for i in range(len(self._cuda_rng)):
+            if f"cuda{i}" in tensors:
+                self._cuda_rng[i] = tensors[f"cuda{i}"].clone()
+
+    def close(self) -> None:
+        with self.resource.lock:
+            self.active = False
+            self.optimizer.state.clear()
+            for param in self.policy.trainable.values():
+                param.grad = None
+            self.policy.close()
+
+
+def _cuda_devices() -> list[int]:
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []

@@ -1,0 +1,371 @@
+"""Typed specs for everything that crosses the edge of the worker.
+
+Every object a client or a config file can send is validated here, once, with a message that
+names the field. Names and enum spellings follow the hosted service's wire contract (the
+`together` SDK is the authority on shapes; `shared/docs/api-contract.md` Part B on semantics).
+
+Shape letters used across the package: B = samples in a call, T = tokens of one sample,
+N = tokens of a whole (micro-)batch flattened, V = vocabulary, H = hidden size.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+
+
+class Spec(BaseModel):
+    """Base for wire objects: unknown fields are ignored (the SDK may send newer ones)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=False, populate_by_name=True)
+
+
+class StrictSpec(BaseModel):
+    """Base for config files: an unknown key is a typo and is refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def _int_from_str(value: Any) -> Any:
+    """Protobuf int64 fields arrive as JSON strings; accept "12" as 12, refuse "1.5"."""
+    if isinstance(value, str):
+        text = value.strip()
+        if not text or not text.lstrip("-").isdigit():
+            raise ValueError(f"expected an integer, got {value!r}")
+        return int(text)
+    if isinstance(value, bool):
+        raise ValueError("expected an integer, got a boolean")
+    return value
+
+
+IntLike = Annotated[int, BeforeValidator(_int_from_str)]
+
+
+# --------------------------------------------------------------------------------------------
+# Tensors and samples
+# --------------------------------------------------------------------------------------------
+
+
+class TensorData(Spec):
+    """A 1-D tensor as flat JSON numbers. Token ids may be strings (protobuf int64)."""
+
+    data: list[float | int | str]
+    dtype: Literal["int64", "float32"]
+    shape: list[int] | None = None
+    sparse_crow_indices: list[int] | None = None
+    sparse_col_indices: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> TensorData:
+        if self.sparse_crow_indices is not None or self.sparse_col_indices is not None:
+            raise ValueError("sparse tensors are not supported: omit sparse_crow/col_indices")
+        if self.shape is not None and self.shape != [len(self.data)]:
+            raise ValueError(
+                f"shape must be [len(data)] = [{len(self.data)}] (1-D only), got {self.shape}"
+            )
+        converted: list[float | int | str] = []
+        for i, value in enumerate(self.data):
+            if self.dtype == "int64":
+                if isinstance(value, float):
+                    if not value.is_integer():
+                        raise ValueError(f"data[{i}] = {value} is not an integer (dtype int64)")
+                    value = int(value)
+                converted.append(_int_from_str(value))
+            else:
+                number = float(value)
+                if not math.isfinite(number):
+                    raise ValueError(f"data[{i}] is not finite")
+                converted.append(number)
+        self.data = converted
+        return self
+
+
+class EncodedTextChunk(Spec):
+    tokens: list[IntLike]
+
+
+class ModelInputChunk(Spec):
+    encoded_text: EncodedTextChunk | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelInputChunk:
+        if self.encoded_text is None:
+            raise ValueError("only encoded_text chunks are supported")
+        return self
+
+
+class ModelInput(Spec):
+    chunks: list[ModelInputChunk]
+
+    @property
+    def tokens(self) -> list[int]:
+        out: list[int] = []
+        for chunk in self.chunks:
+            assert chunk.encoded_text is not None
+            out.extend(chunk.encoded_text.tokens)
+        return out
+
+
+class Sample(Spec):
+    model_input: ModelInput
+    loss_fn_inputs: dict[str, TensorData] = Field(default_factory=dict)
+    routed_experts_key: str | None = None
+
+
+class Gradient(Spec):
+    data: list[float]
+    dtype: Literal["D_TYPE_UNSPECIFIED", "D_TYPE_FLOAT32", "D_TYPE_BFLOAT16"] = "D_TYPE_FLOAT32"
+
+    @field_validator("data")
+    @classmethod
+    def _finite(cls, value: list[float]) -> list[float]:
+        for i, number in enumerate(value):
+            if not math.isfinite(number):
+                raise ValueError(f"data[{i}] is not finite")
+        return value
+
+
+# --------------------------------------------------------------------------------------------
+# Losses (contract Part B)
+# --------------------------------------------------------------------------------------------
+
+LossType = Literal[
+    "LOSS_TYPE_UNSPECIFIED",
+    "LOSS_TYPE_CROSS_ENTROPY",
+    "LOSS_TYPE_GRPO",
+    "LOSS_TYPE_IMPORTANCE_SAMPLING",
+    "LOSS_TYPE_PPO",
+    "LOSS_TYPE_CISPO",
+    "LOSS_TYPE_DRO",
+    "LOSS_TYPE_DPPO",
+]
+GrpoAggType = Literal[
+    "GRPO_LOSS_AGGREGATION_TYPE_UNSPECIFIED",
+    "GRPO_LOSS_AGGREGATION_TYPE_FIXED_HORIZON",
+    "GRPO_LOSS_AGGREGATION_TYPE_TOKEN_MEAN",
+    "GRPO_LOSS_AGGREGATION_TYPE_SEQUENCE_MEAN",
+]
+GrpoRatioType = Literal["GRPO_LOSS_RATIO_TYPE_TOKEN", "GRPO_LOSS_RATIO_TYPE_SEQUENCE"]
+
+
+class _ClipParams(Spec):
+    clip_low_threshold: float
+    clip_high_threshold: float
+
+    @model_validator(mode="after")
+    def _bounds(self) -> _ClipParams:
+        if not 0.0 <= self.clip_low_threshold <= 1.0:
+            raise ValueError("clip_low_threshold must be in [0, 1]")
+        if not 1.0 <= self.clip_high_threshold < math.inf:
+            raise ValueError("clip_high_threshold must be >= 1 and finite")
+        return self
+
+
+class CrossEntropyParams(Spec):
+    """No knobs. L = sum_t -w_t * lp_t."""
+
+
+class ImportanceSamplingParams(Spec):
+    """No knobs. L = sum_t -m_t * r_t * A_t."""
+
+
+class PpoParams(_ClipParams):
+    clip_low_threshold: float = 0.8
+    clip_high_threshold: float = 1.2
+
+
+class CispoParams(_ClipParams):
+    clip_low_threshold: float = 0.0
+    clip_high_threshold: float = 5.0
+
+
+class GrpoParams(_ClipParams):
+    clip_low_threshold: float = 0.8
+    clip_high_threshold: float = 1.28
+    beta: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    agg_type: GrpoAggType = "GRPO_LOSS_AGGREGATION_TYPE_TOKEN_MEAN"
+    ratio_type: GrpoRatioType = "GRPO_LOSS_RATIO_TYPE_TOKEN"
+
+
+class DppoParams(Spec):
+    delta_low: float = Field(default=0.15, ge=0.0, le=1.0)
+    delta_high: float = Field(default=0.15, ge=0.0, le=1.0)
+
+
+class DroParams(Spec):
+    beta: float = Field(ge=0.0, allow_inf_nan=False)
+
+
+# loss type -> (params key on the wire, params class, required loss_fn_inputs)
+LOSS_SPECS: dict[str, tuple[str, type[Spec], tuple[str, ...]]] = {
+    "LOSS_TYPE_CROSS_ENTROPY": ("cross_entropy_params", CrossEntropyParams, ("weights",)),
+    "LOSS_TYPE_IMPORTANCE_SAMPLING": (
+        "importance_sampling_params",
+        ImportanceSamplingParams,
+        ("logprobs", "advantages"),
+    ),
+    "LOSS_TYPE_PPO": ("ppo_params", PpoParams, ("logprobs", "advantages")),
+    "LOSS_TYPE_CISPO": ("cispo_params", CispoParams, ("logprobs", "advantages")),
+    "LOSS_TYPE_DRO": ("dro_params", DroParams, ("logprobs", "advantages")),
+    "LOSS_TYPE_DPPO": ("dppo_params", DppoParams, ("logprobs", "advantages")),
+    "LOSS_TYPE_GRPO": ("grpo_params", GrpoParams, ("logprobs", "advantages")),
+}
+_SHORT_LOSS_NAMES = {key.removeprefix("LOSS_TYPE_").lower(): key for key in LOSS_SPECS}
+
+
+class LossConfig(Spec):
+    """`{"type": ..., "<x>_params": {...}}`. Only the params object matching `type` is read."""
+
+    type: LossType
+    cross_entropy_params: dict[str, Any] | None = None
+    grpo_params: dict[str, Any] | None = None
+    ppo_params: dict[str, Any] | None = None
+    cispo_params: dict[str, Any] | None = None
+    dppo_params: dict[str, Any] | None = None
+    dro_params: dict[str, Any] | None = None
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _short_names(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.lower() in _SHORT_LOSS_NAMES:
+            return _SHORT_LOSS_NAMES[value.lower()]
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> LossConfig:
+        if self.type == "LOSS_TYPE_UNSPECIFIED":
+            raise ValueError("loss.type must name a loss (LOSS_TYPE_UNSPECIFIED is not one)")
+        if self.type == "LOSS_TYPE_DRO" and (self.dro_params or {}).get("beta") is None:
+            raise ValueError("loss.dro_params.beta is required for LOSS_TYPE_DRO")
+        self.params()  # validate the params eagerly so the error names the field now
+        return self
+
+    def params(self) -> Spec:
+        key, cls, _ = LOSS_SPECS[self.type]
+        raw = getattr(self, key, None) or {}
+        try:
+            return cls.model_validate(raw)
+        except Exception as exc:  # re-raise with the field path
+            raise ValueError(f"loss.{key}: {exc}") from None
+
+    @property
+    def required_inputs(self) -> tuple[str, ...]:
+        return LOSS_SPECS[self.type][2]
+
+
+# --------------------------------------------------------------------------------------------
+# Optimizer, LoRA, sampling
+# --------------------------------------------------------------------------------------------
+
+
+class AdamParams(Spec):
+    """Per-step AdamW knobs; omitted fields take the Part B defaults."""
+
+    learning_rate: float = Field(default=1e-4, ge=0.0, allow_inf_nan=False)
+    beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(default=0.95, ge=0.0, lt=1.0)
+    eps: float = Field(default=1e-8, gt=0.0, allow_inf_nan=False)
+    weight_decay: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    grad_clip_norm: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
+
+
+class LoraConfig(Spec):
+    rank: int = Field(default=32, ge=1)
+    alpha: int = Field(default=64, ge=1)
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    seed: IntLike | None = None
+    train_unembed: bool = True
+
+
+class SamplingParams(Spec):
+    max_tokens: int = Field(default=100, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, ge=-1)
+    stop: list[str] = Field(default_factory=list)
+    seed: IntLike | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Resources, sessions, catalogue
+# --------------------------------------------------------------------------------------------
+
+
+class ModelEntry(StrictSpec):
+    """One base model the worker can serve, with its limits."""
+
+    name: str = Field(min_length=1, description="name clients use as base_model")
+    location: str = Field(min_length=1, description="local dir, hub id, or hf://org/name")
+    revision: str | None = None
+    max_seq_length: int = Field(default=4096, ge=2, description="tokens per sample")
+    max_lora_rank: int = Field(default=64, ge=1)
+    max_batch_size: int = Field(default=256, ge=1, description="samples per call")
+    trust_remote_code: bool = False
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+
+class ComputeConfig(Spec):
+    gpu_type: str | None = None
+    num_generator_replicas: int = Field(default=1, ge=0)
+
+
+class ResourceSpec(Spec):
+    base_model: str = Field(min_length=1)
+    base_weights_ref: str | None = None
+    lora_enabled: bool = True
+    optimizer_config: dict[str, Any] = Field(default_factory=lambda: {"adam": {}})
+    compute_config: ComputeConfig = Field(default_factory=ComputeConfig)
+    inactive_timeout: int = Field(default=3600, ge=300, le=86400)
+
+    @field_validator("optimizer_config")
+    @classmethod
+    def _adam_only(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if not value:
+            return {"adam": {}}
+        if set(value) != {"adam"}:
+            raise ValueError("only the adam optimizer is supported: use {'adam': {}}")
+        return value
+
+
+class WandbMetadata(Spec):
+    entity: str | None = None
+    project: str | None = None
+    group: str | None = None
+    run_id: str | None = None
+    run_name: str | None = None
+    url: str | None = None
+
+
+class SessionMetadata(Spec):
+    wandb: WandbMetadata | None = None
+
+
+class SessionSpec(Spec):
+    lora_config: LoraConfig | None = None
+    resume_from_checkpoint_id: str | None = None
+    resume_from_hf_checkpoint: str | None = None
+    load_optimizer: bool | None = None
+    display_name: str | None = Field(default=None, max_length=128)
+    metadata: SessionMetadata = Field(default_factory=SessionMetadata)
+
+    @model_validator(mode="after")
+    def _check(self) -> SessionSpec:
+        if self.resume_from_checkpoint_id and self.resume_from_hf_checkpoint:
+            raise ValueError(
+                "resume_from_checkpoint_id and resume_from_hf_checkpoint are mutually exclusive"
+            )
+        if self.resume_from_hf_checkpoint and self.load_optimizer:
+            raise ValueError(
+                "load_optimizer must be false or omitted with resume_from_hf_checkpoint "
+                "(a HF checkpoint carries no optimizer state)"
+            )
+        return self
