@@ -147,6 +147,7 @@ def quiet_peft_warnings() -> Iterator[None]:
         warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
         warnings.filterwarnings("ignore", message=".*should not be contained in the prefix.*")
+        warnings.filterwarnings("ignore", message=".*was active which is now deleted.*")
         yield
 
 

@@ -21,6 +21,7 @@ from trainer.errors import OperationError, invalid
 from trainer.model import (
     default_device,
     is_adapter_dir,
+    is_tied,
     load_base_model,
     local_dir,
     read_model_weights,
@@ -52,6 +53,7 @@ class ModelResource:
         self._peft: dict[str, Any] = {"model": None}
         self._adapters = 0
         self._base_dirty = False
+        self._base_tied = is_tied(self.model)
         head = self.model.get_output_embeddings()
         self.vocab_size = int(head.weight.shape[0])
         eos = getattr(self.model.generation_config, "eos_token_id", None)
@@ -77,9 +79,16 @@ class ModelResource:
             return session
 
     def _new_session(
-        self, session_id: str, spec: SessionSpec, lora_config: LoraConfig, seed: int | None = None
+        self,
+        session_id: str,
+        spec: SessionSpec,
+        lora_config: LoraConfig,
+        seed: int | None = None,
+        untie_head: bool = False,
     ) -> TrainingSession:
         policy: Policy
+        if seed is None:  # a seeded LoRA session is reproducible end to end, dropout included
+            seed = lora_config.seed if self.lora and lora_config.seed is not None else None
         rng_seed = seed if seed is not None else _random_seed()
         if self.lora:
             if lora_config.rank > self.entry.max_lora_rank:
@@ -101,6 +110,8 @@ class ModelResource:
             if self._base_dirty:
                 self._reload_base()
             self._base_dirty = True
+            if untie_head and is_tied(self.model):
+                _untie_head(self.model)
             policy = FullPolicy(self.model, with_generator=self.has_generator)
         return TrainingSession(
             resource=self,
@@ -112,6 +123,8 @@ class ModelResource:
         )
 
     def _reload_base(self) -> None:
+        if self._base_tied and not is_tied(self.model):
+            _retie_head(self.model)
         weights = read_model_weights(local_dir(self.entry.location, self.entry.revision))
         params = dict(self.model.named_parameters())
         with torch.no_grad():
@@ -197,7 +210,8 @@ class ModelResource:
         else:
             lora_config = LoraConfig()
             weights = read_model_weights(source)
-        session = self._new_session(session_id, spec, lora_config)
+        untie = adapter and not self.lora and lora_config.train_unembed
+        session = self._new_session(session_id, spec, lora_config, untie_head=untie)
         try:
             if self.lora:
                 session.policy.load_weights(weights, field)
@@ -233,6 +247,26 @@ class ModelResource:
 
 def _random_seed() -> int:
     return int.from_bytes(os.urandom(7), "little")
+
+
+def _set_tied(model: Any, tied: bool) -> None:
+    model.config.tie_word_embeddings = tied
+    text_config = getattr(model.config, "text_config", None)
+    if text_config is not None:
+        text_config.tie_word_embeddings = tied
+
+
+def _untie_head(model: Any) -> None:
+    """Give the output head its own copy of the embedding, so training it (or merging a head
+    LoRA into it) leaves the input embeddings alone."""
+    head = model.get_output_embeddings()
+    head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+    _set_tied(model, False)
+
+
+def _retie_head(model: Any) -> None:
+    model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    _set_tied(model, True)
 
 
 def _tied_source(name: str) -> str:

@@ -1,0 +1,288 @@
+"""Exact resume, weights-only resume, exports that plain transformers/peft load, the catalogue."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from tests.engine.helpers import assert_same, make_resource, random_batch, weights_of
+from trainer.checkpoints import CheckpointCorrupt, CheckpointStore
+from trainer.errors import OperationError
+from trainer.specs import AdamParams, LoraConfig, LossConfig, SessionSpec
+
+CE = LossConfig(type="cross_entropy")
+ADAM = AdamParams(learning_rate=2e-2, weight_decay=0.01)
+
+
+def _train(session, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        out = session.forward_backward(CE, random_batch(100 + step, n=3, weights="ones"))
+        session.optim_step(ADAM)
+        losses.append(out["loss"])
+    return losses
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_resume_is_bit_exact(tiny_qwen_dir, tmp_path, lora) -> None:
+    # LoRA with dropout: the continuation also needs the session's RNG state back.
+    spec = SessionSpec(lora_config=LoraConfig(rank=8, dropout=0.1, seed=5)) if lora else SessionSpec()
+    straight = make_resource(tiny_qwen_dir, tmp_path / "store", lora=lora)
+    run = straight.create_session("straight", spec)
+    uninterrupted = _train(run, range(5))
+    final = weights_of(run)
+    straight.close()
+
+    first = make_resource(tiny_qwen_dir, tmp_path / "store", lora=lora)
+    part = first.create_session("part", spec)
+    before = _train(part, range(2))
+    checkpoint = part.save_training_checkpoint()
+    first.close()
+
+    # a different resource (a fresh process would look the same: everything is on disk)
+    second = make_resource(tiny_qwen_dir, tmp_path / "store", lora=lora)
+    resumed = second.create_session(
+        "resumed", SessionSpec(resume_from_checkpoint_id=checkpoint.id)
+    )
+    assert resumed.step == 2 and resumed.policy_state()["trainer_step"] == 2
+    after = _train(resumed, range(2, 5))
+    assert before + after == uninterrupted
+    assert_same(weights_of(resumed), final)
+
+    fresh_optimizer = second.create_session(
+        "no-opt", SessionSpec(resume_from_checkpoint_id=checkpoint.id, load_optimizer=False)
+    ) if lora else None
+    if fresh_optimizer is not None:
+        assert fresh_optimizer.step == 0
+        assert fresh_optimizer.policy_state()["trainer_step"] == 0
+        _train(fresh_optimizer, range(2, 5))
+        differs = weights_of(fresh_optimizer)
+        assert any(not torch.equal(differs[k], final[k]) for k in final)
+
+
+def test_full_resume_without_optimizer_differs(tiny_qwen_dir, tmp_path) -> None:
+    resource = make_resource(tiny_qwen_dir, tmp_path, lora=False)
+    session = resource.create_session("a", SessionSpec())
+    _train(session, range(2))
+    checkpoint = session.save_training_checkpoint()
+    _train(session, range(2, 4))
+    with_optimizer = weights_of(session)
+    resource.close_session("a")
+    weights_only = resource.create_session(
+        "b", SessionSpec(resume_from_checkpoint_id=checkpoint.id, load_optimizer=False)
+    )
+    assert weights_only.step == 0
+    _train(weights_only, range(2, 4))
+    got = weights_of(weights_only)
+    assert any(not torch.equal(got[k], with_optimizer[k]) for k in got)
+
+
+def test_resume_refuses_mismatches(tiny_qwen_dir, tiny_llama_dir, tmp_path) -> None:
+    lora_res = make_resource(tiny_qwen_dir, tmp_path, lora=True)
+    lora_ckpt = lora_res.create_session("a", SessionSpec()).save_training_checkpoint()
+    other_base = make_resource(tiny_llama_dir, tmp_path, lora=True, name="other")
+    cases = [
+        (other_base, SessionSpec(resume_from_checkpoint_id=lora_ckpt.id), "base model"),
+        (lora_res, SessionSpec(resume_from_checkpoint_id="ckpt-" + "0" * 32), "no checkpoint"),
+        (lora_res, SessionSpec(resume_from_checkpoint_id="../../etc"), "no checkpoint"),
+    ]
+    full_res = make_resource(tiny_qwen_dir, tmp_path, lora=False)
+    cases.append((full_res, SessionSpec(resume_from_checkpoint_id=lora_ckpt.id), "lora_enabled"))
+    for resource, spec, words in cases:
+        with pytest.raises(OperationError) as info:
+            resource.create_session("x", spec)
+        assert info.value.code == "INVALID_INPUT"
+        assert info.value.message.startswith("resume_from_checkpoint_id")
+        assert words in info.value.message
+
+
+def test_corrupted_checkpoint_is_refused(tiny_qwen_dir, tmp_path) -> None:
+    resource = make_resource(tiny_qwen_dir, tmp_path)
+    checkpoint = resource.create_session("a", SessionSpec()).save_training_checkpoint()
+    weights = checkpoint.path / "weights.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(OperationError, match="sha256"):
+        resource.create_session("b", SessionSpec(resume_from_checkpoint_id=checkpoint.id))
+
+
+# -- exports ------------------------------------------------------------------------------------
+
+
+def _logprobs(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(input_ids=torch.tensor([tokens])).logits[0].float(), -1)
+
+
+def test_lora_exports_reload_in_peft_and_transformers(tiny_model_dir, tmp_path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    resource = make_resource(tiny_model_dir, tmp_path)
+    session = resource.create_session("a", SessionSpec(lora_config=LoraConfig(rank=8, seed=1)))
+    for step in range(3):
+        session.forward_backward(CE, random_batch(step, weights="ones"))
+        session.optim_step(AdamParams(learning_rate=5e-2))
+    tokens = [3, 17, 29, 4, 88, 61, 12]
+    with session._running(), session.policy.training(train=False):
+        expected = _logprobs(session.policy.model, tokens)
+    checkpoint = session.save_inference_checkpoint()
+
+    adapter_dir = checkpoint.path / "adapter"
+    assert sorted(p.name for p in adapter_dir.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    from safetensors.torch import load_file
+
+    adapter = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    assert all("lora_" in key for key in adapter), "no base weights inside the adapter"
+    assert any("lm_head" in key for key in adapter)
+    rank8_size = sum(t.numel() * t.element_size() for t in adapter.values())
+    assert (adapter_dir / "adapter_model.safetensors").stat().st_size < rank8_size + 64 * 1024
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, adapter_dir).eval()
+    torch.testing.assert_close(_logprobs(peft_model, tokens), expected, atol=1e-5, rtol=0)
+
+    merged = AutoModelForCausalLM.from_pretrained(
+        checkpoint.path / "merged", dtype=torch.float32
+    ).eval()
+    torch.testing.assert_close(_logprobs(merged, tokens), expected, atol=1e-5, rtol=1e-5)
+    config = json.loads((checkpoint.path / "merged" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False  # the trained head is its own weight now
+    # the base model in memory was never merged into
+    fresh = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    for name, param in fresh.named_parameters():
+        key = name.replace(".weight", ".base_layer.weight")
+        live = dict(resource.model.named_parameters())
+        assert torch.equal(live.get(name, live.get(key)), param), name
+
+
+def test_full_export_reloads_and_resumes_from_hf_dir(tiny_model_dir, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    resource = make_resource(tiny_model_dir, tmp_path, lora=False)
+    session = resource.create_session("a", SessionSpec())
+    _train(session, range(2))
+    tokens = [5, 9, 33, 2, 71]
+    with session._running(), session.policy.training(train=False):
+        expected = _logprobs(session.policy.model, tokens)
+    trained = weights_of(session)
+    checkpoint = session.save_inference_checkpoint()
+    assert not (checkpoint.path / "adapter").exists()
+    merged = AutoModelForCausalLM.from_pretrained(checkpoint.path / "merged", dtype=torch.float32)
+    torch.testing.assert_close(_logprobs(merged.eval(), tokens), expected, atol=1e-5, rtol=0)
+
+    resource.close_session("a")
+    hf = resource.create_session(
+        "b", SessionSpec(resume_from_hf_checkpoint=str(checkpoint.path / "merged"))
+    )
+    assert hf.step == 0
+    assert_same(weights_of(hf), trained)
+
+
+def test_lora_resume_from_hf_adapter_dir(tiny_qwen_dir, tmp_path) -> None:
+    resource = make_resource(tiny_qwen_dir, tmp_path)
+    session = resource.create_session("a", SessionSpec(lora_config=LoraConfig(rank=4, seed=3)))
+    _train(session, range(2))
+    checkpoint = session.save_inference_checkpoint()
+    copy = tmp_path / "exported-adapter"
+    shutil.copytree(checkpoint.path / "adapter", copy)
+    again = resource.create_session("b", SessionSpec(resume_from_hf_checkpoint=str(copy)))
+    assert_same(weights_of(again), weights_of(session))
+    with pytest.raises(OperationError, match="PEFT adapter"):
+        resource.create_session(
+            "c", SessionSpec(resume_from_hf_checkpoint=str(checkpoint.path / "merged"))
+        )
+    # a full-weight resource takes the adapter merged into its weights
+    full = make_resource(tiny_qwen_dir, tmp_path / "full", lora=False)
+    merged_session = full.create_session("d", SessionSpec(resume_from_hf_checkpoint=str(copy)))
+    tokens = [4, 8, 15, 16, 23, 42]
+    with merged_session._running():
+        got = _logprobs(merged_session.policy.model, tokens)
+    with session._running(), session.policy.training(train=False):
+        want = _logprobs(session.policy.model, tokens)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+# -- the catalogue ------------------------------------------------------------------------------
+
+
+def test_catalogue_survives_restart_and_sweeps_partials(tiny_qwen_dir, tmp_path) -> None:
+    resource = make_resource(tiny_qwen_dir, tmp_path)
+    session = resource.create_session("a", SessionSpec(lora_config=LoraConfig(rank=4)))
+    training = session.save_training_checkpoint()
+    inference = session.save_inference_checkpoint()
+    resource.store.close()
+    (tmp_path / "tmp" / "ckpt-dead.partial").mkdir()
+    (tmp_path / "tmp" / "ckpt-dead.partial" / "weights.safetensors").write_bytes(b"half")
+
+    store = CheckpointStore(tmp_path)
+    assert not list((tmp_path / "tmp").iterdir())
+    listed = store.list()
+    assert [r.id for r in listed] == [training.id, inference.id]
+    assert listed[0].type == "CHECKPOINT_TYPE_TRAINING" and listed[0].lora_rank == 4
+    assert listed[0].session_id == "a" and listed[0].base_model == "tiny"
+    assert store.list(type="CHECKPOINT_TYPE_INFERENCE")[0].id == inference.id
+    assert store.list(after=training.id) == [listed[1]]
+    assert store.list(session_id="nobody") == []
+    assert store.list(base_model="tiny", limit=1) == [listed[0]]
+    names = [name for name, _ in store.files(inference.id, "ADAPTER")]
+    assert names == ["adapter_config.json", "adapter_model.safetensors"]
+    assert "model.safetensors" in [name for name, _ in store.files(inference.id, "MERGED")]
+    with pytest.raises(KeyError):
+        store.files(training.id, "MERGED")
+    record, manifest = store.open(training.id)
+    assert set(manifest["files"]) == {
+        "optimizer.safetensors",
+        "rng.safetensors",
+        "state.json",
+        "weights.safetensors",
+    }
+
+
+def test_failed_write_leaves_nothing(tmp_path) -> None:
+    store = CheckpointStore(tmp_path)
+
+    def broken(out):
+        (out / "weights.safetensors").write_bytes(b"x" * 10)
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        store.write(
+            type="CHECKPOINT_TYPE_TRAINING",
+            session_id="s",
+            step=0,
+            base_model="m",
+            lora_rank=None,
+            writer=broken,
+        )
+    assert store.list() == []
+    assert not list((tmp_path / "tmp").iterdir())
+    assert not list((tmp_path / "checkpoints").iterdir())
+
+
+def test_adopts_renamed_but_unlisted_checkpoint(tmp_path) -> None:
+    store = CheckpointStore(tmp_path)
+    record = store.write(
+        type="CHECKPOINT_TYPE_TRAINING",
+        session_id="s",
+        step=3,
+        base_model="m",
+        lora_rank=None,
+        writer=lambda out: (out / "state.json").write_text("{}"),
+    )
+    store._db.execute("DELETE FROM checkpoints")  # a crash between rename and insert
+    store._db.commit()
+    store.close()
+    again = CheckpointStore(tmp_path)
+    assert [r.id for r in again.list()] == [record.id]
+    assert again.get(record.id).step == 3  # type: ignore[union-attr]
+    with pytest.raises(CheckpointCorrupt):
+        (record.path / "state.json").write_text("{tampered}")
+        again.open(record.id)
