@@ -52,7 +52,7 @@ def test_pack_keeps_samples_whole_and_masks_blocks() -> None:
     assert seen == [0, 1, 2, 3]
     for batch in batches:
         mask = batch.attention_mask_R_1_L_L[:, 0]
-        rows, width = batch.tokens_R_L.shape
+        rows, _width = batch.tokens_R_L.shape
         assert batch.num_tokens <= max(12, max(s.length for s in batch.samples))
         for r in range(rows):
             # causal and block-diagonal: a position never sees a later one
@@ -98,7 +98,9 @@ def test_micro_batches_give_the_same_gradient(tiny_qwen_dir, tmp_path, loss_type
         session = resource.create_session("s", SessionSpec())
         out = session.forward_backward(loss, samples)
         results.append((out["loss"], grads_of(session)))
-        assert budget > 100 or len(pack(session._prepare(samples), row_tokens=16, token_budget=16)) > 2
+        assert (
+            budget > 100 or len(pack(session._prepare(samples), row_tokens=16, token_budget=16)) > 2
+        )
     (loss_a, grads_a), (loss_b, grads_b) = results
     assert loss_a == pytest.approx(loss_b, rel=1e-5)
     num = sum(float((grads_a[k] - grads_b[k]).norm() ** 2) for k in grads_a) ** 0.5

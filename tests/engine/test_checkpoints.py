@@ -29,7 +29,9 @@ def _train(session, steps: range) -> list[float]:
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
 def test_resume_is_bit_exact(tiny_qwen_dir, tmp_path, lora) -> None:
     # LoRA with dropout: the continuation also needs the session's RNG state back.
-    spec = SessionSpec(lora_config=LoraConfig(rank=8, dropout=0.1, seed=5)) if lora else SessionSpec()
+    spec = (
+        SessionSpec(lora_config=LoraConfig(rank=8, dropout=0.1, seed=5)) if lora else SessionSpec()
+    )
     straight = make_resource(tiny_qwen_dir, tmp_path / "store", lora=lora)
     run = straight.create_session("straight", spec)
     uninterrupted = _train(run, range(5))
@@ -44,17 +46,19 @@ def test_resume_is_bit_exact(tiny_qwen_dir, tmp_path, lora) -> None:
 
     # a different resource (a fresh process would look the same: everything is on disk)
     second = make_resource(tiny_qwen_dir, tmp_path / "store", lora=lora)
-    resumed = second.create_session(
-        "resumed", SessionSpec(resume_from_checkpoint_id=checkpoint.id)
-    )
+    resumed = second.create_session("resumed", SessionSpec(resume_from_checkpoint_id=checkpoint.id))
     assert resumed.step == 2 and resumed.policy_state()["trainer_step"] == 2
     after = _train(resumed, range(2, 5))
     assert before + after == uninterrupted
     assert_same(weights_of(resumed), final)
 
-    fresh_optimizer = second.create_session(
-        "no-opt", SessionSpec(resume_from_checkpoint_id=checkpoint.id, load_optimizer=False)
-    ) if lora else None
+    fresh_optimizer = (
+        second.create_session(
+            "no-opt", SessionSpec(resume_from_checkpoint_id=checkpoint.id, load_optimizer=False)
+        )
+        if lora
+        else None
+    )
     if fresh_optimizer is not None:
         assert fresh_optimizer.step == 0
         assert fresh_optimizer.policy_state()["trainer_step"] == 0
@@ -237,7 +241,7 @@ def test_catalogue_survives_restart_and_sweeps_partials(tiny_qwen_dir, tmp_path)
     assert "model.safetensors" in [name for name, _ in store.files(inference.id, "MERGED")]
     with pytest.raises(KeyError):
         store.files(training.id, "MERGED")
-    record, manifest = store.open(training.id)
+    _record, manifest = store.open(training.id)
     assert set(manifest["files"]) == {
         "optimizer.safetensors",
         "rng.safetensors",

@@ -69,7 +69,9 @@ def test_lora_step0_grpo_ratio_one_kl_zero(tiny_qwen_dir, tmp_path) -> None:
     resource = make_resource(tiny_qwen_dir, tmp_path)
     session = resource.create_session("a", SessionSpec())
     base = random_batch(1, n=4, weights="ones")
-    lps = _outputs(session.forward_backward(CE, base, forward_only=True, return_loss_fn_outputs=True))
+    lps = _outputs(
+        session.forward_backward(CE, base, forward_only=True, return_loss_fn_outputs=True)
+    )
     samples = [
         sample(
             s.model_input.tokens,
@@ -231,7 +233,7 @@ def test_failed_forward_backward_leaves_no_trace(tiny_qwen_dir, tmp_path) -> Non
     session = resource.create_session("a", SessionSpec())
     session.forward_backward(CE, random_batch(1, weights="ones"))
     before_grads, before_weights = grads_of(session), weights_of(session)
-    bad = random_batch(2, n=3, weights="ones") + [sample([1, 2], [2, 999], weights=[1, 1])]
+    bad = [*random_batch(2, n=3, weights="ones"), sample([1, 2], [2, 999], weights=[1, 1])]
     with pytest.raises(OperationError) as info:
         session.forward_backward(CE, bad)
     assert info.value.code == "INVALID_INPUT"
@@ -297,7 +299,7 @@ def test_lora_seed_makes_init_reproducible(tiny_qwen_dir, tmp_path) -> None:
     b = resource.create_session("b", SessionSpec(lora_config=LoraConfig(seed=7)))
     c = resource.create_session("c", SessionSpec(lora_config=LoraConfig(seed=8)))
     assert_same(weights_of(a), weights_of(b))
-    lora_a = [n for n in weights_of(a) if "lora_A" in n][0]
+    lora_a = next(n for n in weights_of(a) if "lora_A" in n)
     assert not torch.equal(weights_of(a)[lora_a], weights_of(c)[lora_a])
     assert all(float(p.abs().max()) == 0 for n, p in weights_of(a).items() if "lora_B" in n)
     head = [n for n in weights_of(a) if "lm_head" in n]
@@ -382,7 +384,9 @@ def test_prompt_logprobs_and_topk(tiny_qwen_dir, tmp_path) -> None:
     with torch.no_grad():
         expected = _naive_logprobs(plain, sample(prompt[:-1], prompt[1:]))
     assert out["prompt_logprobs"][0] == 0.0
-    torch.testing.assert_close(torch.tensor(out["prompt_logprobs"][1:]), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(out["prompt_logprobs"][1:]), expected, atol=1e-5, rtol=0
+    )
     assert out["topk_prompt_logprobs"][0] == {"token_ids": [], "logprobs": []}
     assert all(len(t["token_ids"]) == 3 for t in out["topk_prompt_logprobs"][1:])
 
