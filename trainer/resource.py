@@ -31,6 +31,11 @@ from trainer.session import EngineOptions, TrainingSession, Versions
 from trainer.specs import LoraConfig, ModelEntry, ResourceSpec, SessionSpec
 
 
+# One lock for all compute in the process: operations swap their session's RNG state into the
+# global torch RNG, and a worker drives one accelerator, so resources take turns.
+COMPUTE_LOCK = threading.RLock()
+
+
 class ModelResource:
     def __init__(
         self,
@@ -45,7 +50,7 @@ class ModelResource:
         self.store = store
         self.device = torch.device(device) if device else default_device()
         self.options = options or EngineOptions()
-        self.lock = threading.RLock()
+        self.lock = COMPUTE_LOCK
         self.model, self.tokenizer = load_base_model(entry, self.device)
         self.lora = spec.lora_enabled
         self.has_generator = spec.compute_config.num_generator_replicas > 0
