@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -72,4 +74,5 @@ def test_no_full_logits_in_backward_memory() -> None:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         lp, _ = token_logprobs(hidden, head, targets, chunk_tokens=32)
     assert lp.shape == (n,)
-    assert all(v not in shape for shape in saved), saved
+    # the head weight [V, H] may be saved (a reference, not a copy); no [N, V]-sized tensor is
+    assert all(math.prod(shape) < n * v for shape in saved), saved
