@@ -1,0 +1,18 @@
+"""The worker's HTTP face: the hosted RL session API, served so the `together` SDK runs unchanged.
+
+Modules, from the edge inward:
+- `app`: the FastAPI app (routers under `/v1`, auth, error bodies, lifespan/SIGTERM drain);
+- `routes_resources`, `routes_sessions`, `routes_ops`: the endpoints of the contract's Part A;
+- `auth`, `signing`, `errors`, `requests`, `wire`: token check, signed URLs, error bodies,
+  request validation, response shapes;
+- `worker`, `resources`, `ops`, `payloads`, `store`: lifecycles, per-session FIFO queues,
+  large-payload files and the SQLite catalogue;
+- `engine`: the protocols the engine (`trainer.resource` / `trainer.session`) satisfies;
+- `config`, `server`: settings of `trainer serve` and the process around the app.
+"""
+
+from trainer.api.app import create_app
+from trainer.api.config import ServeConfig
+from trainer.api.worker import Worker
+
+__all__ = ["ServeConfig", "Worker", "create_app"]

@@ -1,0 +1,84 @@
+"""The FastAPI application: routers under `/v1`, auth, error bodies, lifespan.
+
+`/v1/rl/...` routes need the bearer token; the signed file/payload routes carry their own
+credential in the query string; `/healthz` is open for liveness probes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Depends, FastAPI
+from fastapi.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from trainer.api import routes_ops, routes_resources, routes_sessions
+from trainer.api.auth import BearerAuth
+from trainer.api.errors import install_handlers
+from trainer.api.signing import UrlSigner
+from trainer.api.worker import Worker
+
+log = logging.getLogger(__name__)
+
+
+class DoubleVersionPrefix:
+    """Accept `/v1/v1/rl/...` as `/v1/rl/...`.
+
+    SDK 3.1.1's paths already start with `/v1` (its default base URL has none), so a client
+    built as `Together(base_url="http://HOST:PORT/v1")` requests `/v1/v1/rl/...`. Both
+    spellings of the base URL work.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/v1/"):
+            scope = dict(scope)
+            scope["path"] = scope["path"][3:]
+            scope["raw_path"] = scope["path"].encode()
+        await self.app(scope, receive, send)
+
+
+async def _sweep_forever(worker: Worker) -> None:
+    """Stop resources idle past their `expires_at` (checked every `expiry_check_s`)."""
+    while True:
+        await asyncio.sleep(worker.config.expiry_check_s)
+        await run_in_threadpool(worker.sweep, time.time())
+
+
+def create_app(worker: Worker, token: str | None) -> FastAPI:
+    """`token=None` serves without auth (the CLI allows it on loopback hosts only)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        sweeper = asyncio.create_task(_sweep_forever(worker))
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            grace = worker.config.shutdown_grace_s
+            log.info("shutting down: draining operations (grace %.0fs)", grace)
+            await run_in_threadpool(worker.shutdown, grace)
+
+    app = FastAPI(title="trainer worker", version="1", lifespan=lifespan)
+    app.state.worker = worker
+    app.state.signer = UrlSigner(ttl_s=worker.config.signed_url_ttl_s)
+    install_handlers(app)
+    app.add_middleware(DoubleVersionPrefix)
+    auth = [Depends(BearerAuth(token))]
+    for module in (routes_resources, routes_sessions, routes_ops):
+        app.include_router(module.router, prefix="/v1", dependencies=auth)
+    app.include_router(routes_resources.files_router)
+    app.include_router(routes_sessions.files_router)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"status": "draining" if worker.draining else "ok"}
+
+    return app

@@ -1,0 +1,135 @@
+"""HTTP errors in the service's shape: `{"error": {"message", "type", "param", "code"}}`.
+
+Every failure a client can cause is a 4xx with a message that names the offending field
+(`param`). Errors are never retried by the official SDK: each carries `x-should-retry: false`
+(its client otherwise retries 409 and 429).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    503: "service_unavailable_error",
+}
+
+
+class ApiError(Exception):
+    """An expected failure answered with `status` and the service's error body."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": _TYPES.get(self.status, "invalid_request_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        headers = {"x-should-retry": "false"}
+        if self.status == 401:
+            headers["www-authenticate"] = "Bearer"
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_input") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def not_found(kind: str, ident: str, param: str | None = None) -> ApiError:
+    return ApiError(404, f"{kind} {ident!r} not found", param=param, code="not_found")
+
+
+def failed_precondition(message: str, param: str | None = None) -> ApiError:
+    """The object is in a state that refuses the request (the hosted service answers 400)."""
+    return ApiError(400, message, param=param, code="failed_precondition")
+
+
+def field_path(loc: Sequence[int | str]) -> str:
+    """`("body", "samples", 0, "loss_fn_inputs")` -> `samples[0].loss_fn_inputs`."""
+    parts = [p for p in loc if p not in ("body", "query", "path", "header")]
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+_LEADING_FIELD = re.compile(r"^([a-z_]\w*(?:\[\d+\])*(?:\.\w+(?:\[\d+\])*)*)\b")
+
+
+def from_validation(errors: Sequence[Any], prefix: str = "") -> ApiError:
+    """First pydantic error as a 400 naming its field; the rest are summarised in the message.
+
+    Whole-object validators have an empty location; their messages start with the field path
+    (a convention of `trainer.specs`), which then becomes `param`.
+    """
+    first = errors[0]
+    path = field_path(list(first.get("loc", ())))
+    if prefix:
+        path = f"{prefix}.{path}" if path else prefix
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    named = bool(path)
+    if not path and (match := _LEADING_FIELD.match(message)):
+        path = match.group(1)
+    if first.get("type") == "json_invalid":
+        return bad_request(f"request body is not valid JSON: {message}", None, "invalid_json")
+    text = f"{path}: {message}" if named else message
+    if len(errors) > 1:
+        text += f" (and {len(errors) - 1} more error(s))"
+    return bad_request(text, path or None)
+
+
+def from_pydantic(exc: ValidationError, prefix: str = "") -> ApiError:
+    return from_validation(exc.errors(include_url=False), prefix)
+
+
+def install_handlers(app: FastAPI) -> None:
+    async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ApiError)
+        return exc.response()
+
+    async def on_validation(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return from_validation(list(exc.errors())).response()
+
+    async def on_http(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return ApiError(exc.status_code, str(exc.detail), code=code).response()
+
+    app.add_exception_handler(ApiError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)

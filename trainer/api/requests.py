@@ -1,0 +1,240 @@
+"""HTTP request bodies, validated once at the edge with messages that name the field.
+
+The shapes are the SDK's (`together.types.post_training.*_params`); the pieces they share with
+the engine (samples, losses, optimizer and sampling knobs) come from `trainer.specs`. Checks
+that need the model's limits (`check_samples`) run before an operation is queued, so a bad
+batch is a 400 and never touches the session.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from trainer.api.errors import ApiError, bad_request
+from trainer.specs import (
+    AdamParams,
+    Gradient,
+    LoraConfig,
+    LossConfig,
+    ModelEntry,
+    ModelInput,
+    ResourceSpec,
+    Sample,
+    SamplingParams,
+    SessionMetadata,
+    SessionSpec,
+    Spec,
+)
+
+WeightSyncType = Literal[
+    "WEIGHT_SYNC_TYPE_SYNCHRONOUS",
+    "WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH",
+    "WEIGHT_SYNC_TYPE_PIPELINE",
+]
+CheckpointVariant = Literal["CHECKPOINT_VARIANT_MERGED", "CHECKPOINT_VARIANT_ADAPTER"]
+
+_INPUT_DTYPES: dict[str, tuple[str, ...]] = {
+    "target_tokens": ("int64",),
+    "logprobs": ("float32",),
+    "advantages": ("float32",),
+    "reference_logprobs": ("float32",),
+    "weights": ("int64", "float32"),
+    "mask": ("int64", "float32"),
+}
+
+
+class CreateResourceBody(ResourceSpec):
+    """POST /rl/model-resources (and estimate-cost)."""
+
+
+class ExtendExpiryBody(Spec):
+    seconds: int = Field(ge=60, le=86400)
+
+
+class StopResourceBody(Spec):
+    force: bool = False
+
+
+class CreateSessionBody(SessionSpec):
+    model_resources_id: str = Field(min_length=1)
+
+
+class UpdateSessionBody(Spec):
+    """PATCH: omitted fields stay; an empty string clears a field."""
+
+    display_name: str | None = Field(default=None, max_length=128)
+    metadata: SessionMetadata | None = None
+
+
+class ForwardBackwardBody(Spec):
+    loss: LossConfig
+    samples: list[Sample] = Field(min_length=1)
+    forward_only: bool = False
+    return_loss_fn_outputs: bool = False
+
+
+class CustomForwardBackwardBody(Spec):
+    samples: list[Sample] = Field(min_length=1)
+    gradients: list[Gradient] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _aligned(self) -> CustomForwardBackwardBody:
+        if len(self.gradients) != len(self.samples):
+            raise ValueError(
+                f"gradients has {len(self.gradients)} entries for {len(self.samples)} samples"
+            )
+        for i, (sample, gradient) in enumerate(zip(self.samples, self.gradients, strict=True)):
+            length = len(sample.model_input.tokens)
+            if len(gradient.data) != length:
+                raise ValueError(
+                    f"gradients[{i}].data has {len(gradient.data)} values for a sample of "
+                    f"{length} tokens"
+                )
+        return self
+
+
+class OptimStepBody(Spec):
+    adam_params: AdamParams | None = None
+    muon_params: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _adam_only(self) -> OptimStepBody:
+        if self.muon_params is not None:
+            raise ValueError("muon_params: this worker's resources use Adam; send adam_params")
+        return self
+
+
+class WeightsSyncBody(Spec):
+    weight_sync_type: WeightSyncType
+
+
+class SampleBody(Spec):
+    model_inputs: list[ModelInput] = Field(min_length=1)
+    num_samples: int = Field(default=1, ge=1, le=1024)
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = Field(default=0, ge=0, le=20)
+    return_routed_experts: bool = False
+
+
+class EmptyBody(Spec):
+    """The checkpoint operations take no body."""
+
+
+def check_samples(
+    samples: list[Sample], entry: ModelEntry, required: tuple[str, ...], *, loss_text: str
+) -> None:
+    """Limits and per-sample consistency (contract Part A §3), as a 400 naming the field."""
+    if len(samples) > entry.max_batch_size:
+        raise bad_request(
+            f"samples: {len(samples)} samples exceed max_batch_size {entry.max_batch_size} "
+            f"of {entry.name}",
+            "samples",
+        )
+    for i, sample in enumerate(samples):
+        where = f"samples[{i}]"
+        tokens = sample.model_input.tokens
+        if not tokens:
+            raise bad_request(f"{where}.model_input: no tokens", f"{where}.model_input")
+        if len(tokens) > entry.max_seq_length:
+            raise bad_request(
+                f"{where}.model_input: {len(tokens)} tokens exceed max_seq_length "
+                f"{entry.max_seq_length}",
+                f"{where}.model_input",
+            )
+        if min(tokens) < 0:
+            raise bad_request(f"{where}.model_input: negative token id", f"{where}.model_input")
+        inputs = sample.loss_fn_inputs
+        for name in ("target_tokens", *required):
+            if name not in inputs:
+                raise bad_request(
+                    f"{where}.loss_fn_inputs.{name}: required by {loss_text}",
+                    f"{where}.loss_fn_inputs.{name}",
+                )
+        if "weights" in inputs and "mask" in inputs:
+            raise bad_request(
+                f"{where}.loss_fn_inputs: weights and mask are mutually exclusive",
+                f"{where}.loss_fn_inputs",
+            )
+        for name, tensor in inputs.items():
+            field = f"{where}.loss_fn_inputs.{name}"
+            allowed = _INPUT_DTYPES.get(name)
+            if allowed is not None and tensor.dtype not in allowed:
+                raise bad_request(f"{field}.dtype must be one of {list(allowed)}", field)
+            if len(tensor.data) != len(tokens):
+                raise bad_request(
+                    f"{field}: {len(tensor.data)} values for {len(tokens)} model_input tokens",
+                    field,
+                )
+        if any(int(t) < 0 for t in inputs["target_tokens"].data):
+            raise bad_request(
+                f"{where}.loss_fn_inputs.target_tokens: negative token id",
+                f"{where}.loss_fn_inputs.target_tokens",
+            )
+
+
+def loss_required_inputs(loss: LossConfig) -> tuple[str, ...]:
+    required = tuple(loss.required_inputs)
+    params = loss.params()
+    if loss.type == "LOSS_TYPE_GRPO" and getattr(params, "beta", 0.0) > 0:
+        required += ("reference_logprobs",)
+    return required
+
+
+def check_forward_backward(body: ForwardBackwardBody, entry: ModelEntry) -> None:
+    check_samples(
+        body.samples, entry, loss_required_inputs(body.loss), loss_text=f"loss {body.loss.type}"
+    )
+
+
+def check_custom(body: CustomForwardBackwardBody, entry: ModelEntry) -> None:
+    check_samples(body.samples, entry, (), loss_text="custom-forward-backward")
+
+
+def check_sample(body: SampleBody, entry: ModelEntry) -> None:
+    for i, model_input in enumerate(body.model_inputs):
+        tokens = model_input.tokens
+        if not tokens:
+            raise bad_request(f"model_inputs[{i}]: no tokens", f"model_inputs[{i}]")
+        total = len(tokens) + body.sampling_params.max_tokens
+        if total > entry.max_seq_length:
+            raise bad_request(
+                f"model_inputs[{i}]: {len(tokens)} prompt tokens + max_tokens "
+                f"{body.sampling_params.max_tokens} exceed the context length "
+                f"{entry.max_seq_length}",
+                f"model_inputs[{i}]",
+            )
+
+
+def check_lora(lora: LoraConfig | None, entry: ModelEntry, lora_enabled: bool) -> None:
+    if lora is None:
+        return
+    if not lora_enabled:
+        raise ApiError(
+            400,
+            "lora_config: the model resource is full-weight (lora_enabled false)",
+            param="lora_config",
+            code="invalid_input",
+        )
+    if lora.rank > entry.max_lora_rank:
+        raise bad_request(
+            f"lora_config.rank: {lora.rank} exceeds max_rank {entry.max_lora_rank} of {entry.name}",
+            "lora_config.rank",
+        )
+
+
+def merge_metadata(current: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """PATCH semantics per section (`wandb`): given fields replace, "" clears, omitted stay."""
+    merged = dict(current)
+    for key, value in patch.items():
+        if isinstance(value, dict):
+            section = dict(merged.get(key) or {})
+            for field, item in value.items():
+                if item == "":
+                    section.pop(field, None)
+                elif item is not None:
+                    section[field] = item
+            merged[key] = section
+    return merged

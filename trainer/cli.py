@@ -1,0 +1,133 @@
+"""`trainer <command>`: one argparse subcommand per entry point.
+
+    trainer serve --host 127.0.0.1 --port 8321 --storage DIR --model NAME=PATH_OR_HUB_ID
+
+Add a command by writing `add_<name>(subparsers)` that registers its parser with
+`set_defaults(run=...)`, and listing it in `COMMANDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+
+def _serve_args(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve the RL session API over HTTP",
+        description="Serve the RL training-session API (the `together` SDK's post_training).",
+    )
+    p.add_argument("--config", type=Path, help="TOML file with these settings and model limits")
+    p.add_argument("--host", help="interface to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="TCP port (default 8321)")
+    p.add_argument("--storage", type=Path, help="directory for catalogues and checkpoints")
+    p.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="NAME=PATH_OR_HUB_ID",
+        help="a base model to serve (repeatable)",
+    )
+    p.add_argument("--token-file", type=Path, help="file with the bearer token")
+    p.add_argument(
+        "--no-auth", action="store_true", default=None, help="no token (loopback hosts only)"
+    )
+    p.add_argument("--resource", type=Path, help="JSON model resource to create at start-up")
+    p.add_argument("--session", type=Path, help="JSON session to create once it is READY")
+    p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--public-url", help="base URL for signed download/upload URLs")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(run=_run_serve)
+
+
+def serve_config(args: argparse.Namespace) -> Any:
+    """The TOML file (if any) with the command-line flags laid over it, validated."""
+    from trainer.api.config import ServeConfig, load_toml, merge_models
+
+    data: dict[str, Any] = load_toml(args.config) if args.config is not None else {}
+    overrides = {
+        "host": args.host,
+        "port": args.port,
+        "storage": args.storage,
+        "token_file": args.token_file,
+        "no_auth": args.no_auth,
+        "resource_file": args.resource,
+        "session_file": args.session,
+        "device": args.device,
+        "public_url": args.public_url,
+    }
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    data["model"] = merge_models(list(data.get("model", [])), args.model)
+    return ServeConfig.model_validate(data)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from trainer.api.server import StartupError, serve
+
+    try:
+        config = serve_config(args)
+    except (ValueError, OSError) as exc:  # ValidationError is a ValueError
+        detail = exc if not isinstance(exc, ValidationError) else _validation_text(exc)
+        print(f"trainer serve: invalid settings: {detail}", file=sys.stderr)
+        return 2
+    if not config.models:
+        print("trainer serve: no models: pass --model NAME=PATH_OR_HUB_ID", file=sys.stderr)
+        return 2
+    try:
+        return serve(config, log_level=args.log_level)
+    except StartupError as exc:
+        print(f"trainer serve: {exc}", file=sys.stderr)
+        return 2
+
+
+def _validation_text(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+    )
+
+
+def _demo_args(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from trainer import demo
+
+    p = sub.add_parser(
+        "demo",
+        help="GRPO on a tiny model through the HTTP API (starts its own worker)",
+        description=(demo.__doc__ or "").splitlines()[0],
+    )
+    demo.add_arguments(p)
+    p.set_defaults(run=demo.run)
+
+
+COMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
+    _serve_args,
+    _demo_args,
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainer", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(getattr(args, "log_level", "info")).upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    result: int = args.run(args)
+    return result
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
