@@ -80,11 +80,52 @@ def _run_serve(args: argparse.Namespace) -> int:
     if not config.models:
         print("trainer serve: no models: pass --model NAME=PATH_OR_HUB_ID", file=sys.stderr)
         return 2
+    from trainer.distributed import is_distributed_launch
+
+    if is_distributed_launch():
+        return _run_serve_distributed(config, args.log_level)
     try:
         return serve(config, log_level=args.log_level)
     except StartupError as exc:
         print(f"trainer serve: {exc}", file=sys.stderr)
         return 2
+
+
+def _run_serve_distributed(config: Any, log_level: str) -> int:
+    """Under torchrun: rank 0 serves HTTP and drives every rank; the others execute commands.
+
+    A broken group (a rank died or failed alone) stops rank 0 gracefully, with exit code 1,
+    so torchrun's agent tears the job down and restarts it (`--max-restarts`).
+    """
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    from trainer.api.server import StartupError, serve
+    from trainer.distributed import Spmd, init_distributed, resource_loader, run_worker
+
+    comm = init_distributed()
+    if comm.rank != 0:
+        code = run_worker(Spmd(comm))
+        if code == 0:
+            dist.destroy_process_group()
+        return code
+
+    def stop(reason: str) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    spmd = Spmd(comm, on_broken=stop)
+    try:
+        code = serve(config, log_level=log_level, loader=resource_loader(spmd))
+    except StartupError as exc:
+        print(f"trainer serve: {exc}", file=sys.stderr)
+        code = 2
+    healthy = spmd.broken is None
+    spmd.shutdown()
+    if healthy:
+        dist.destroy_process_group()
+    return code if healthy else 1
 
 
 def _validation_text(exc: ValidationError) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed
 from torch import nn
 
 from trainer.model import (
@@ -57,8 +58,9 @@ class Policy(abc.ABC):
         """Copy the trainable weights (or an earlier snapshot of them) to the generator."""
 
     @abc.abstractmethod
-    def export_inference(self, out_dir: Path, tokenizer: Any) -> None:
-        """Write the servable weights: `merged/`, and `adapter/` for LoRA."""
+    def export_inference(self, out_dir: Path, tokenizer: Any, source: Any = None) -> None:
+        """Write the servable weights: `merged/`, and `adapter/` for LoRA. `source` stands in
+        for the model when its `state_dict()` must come from elsewhere (gathered shards)."""
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         return {name: p.detach().clone() for name, p in self.trainable.items()}
@@ -80,7 +82,7 @@ class Policy(abc.ABC):
                         f"expected {tuple(param.shape)}"
                     )
             for name, param in self.trainable.items():
-                param.copy_(weights[name].to(param.device, param.dtype))
+                param.copy_(layout_like(param, weights[name]))
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -104,7 +106,16 @@ class LoraPolicy(Policy):
         self.config = config
         self.seed = seed
         peft_config = peft_lora_config(resource_model, config)
-        with quiet_peft_warnings(), torch.random.fork_rng(devices=_cuda_devices()):
+        # Once a first adapter is in, the linear leaves include peft's own (`base_layer`, the
+        # adapters' names): they are not targets, and must not reach adapter_config.json.
+        inner = {"base_layer"} | {
+            key
+            for module in resource_model.modules()
+            if hasattr(module, "lora_A")
+            for key in module.lora_A
+        }
+        peft_config.target_modules = set(peft_config.target_modules) - inner
+        with quiet_peft_warnings(), torch.random.fork_rng(devices=cuda_devices()):
             torch.manual_seed(seed)
             if peft_holder.get("model") is None:
                 from peft import get_peft_model
@@ -191,7 +202,7 @@ class LoraPolicy(Policy):
                 deltas[path] = module.get_delta_weight(self.name).detach()
         return deltas
 
-    def export_inference(self, out_dir: Path, tokenizer: Any) -> None:
+    def export_inference(self, out_dir: Path, tokenizer: Any, source: Any = None) -> None:
         from safetensors.torch import save_file
 
         adapter = out_dir / "adapter"
@@ -202,7 +213,8 @@ class LoraPolicy(Policy):
             metadata={"format": "pt"},
         )
         (adapter / "adapter_config.json").write_text(json.dumps(self.peft_config_dict(), indent=2))
-        save_merged(self.model, out_dir / "merged", self.lora_deltas(), tokenizer)
+        model = self.model if source is None else source
+        save_merged(model, out_dir / "merged", self.lora_deltas(), tokenizer)
 
     def close(self) -> None:
         with quiet_peft_warnings():
@@ -262,8 +274,8 @@ class FullPolicy(Policy):
             for name, param in targets.items():
                 param.copy_(source[name])
 
-    def export_inference(self, out_dir: Path, tokenizer: Any) -> None:
-        save_merged(self._model, out_dir / "merged", {}, tokenizer)
+    def export_inference(self, out_dir: Path, tokenizer: Any, source: Any = None) -> None:
+        save_merged(self._model if source is None else source, out_dir / "merged", {}, tokenizer)
 
     def close(self) -> None:
         self._model.requires_grad_(False)
@@ -272,8 +284,26 @@ class FullPolicy(Policy):
         self.generator = None
 
 
-def _cuda_devices() -> list[int]:
-    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+def cuda_devices() -> list[int]:
+    """The CUDA devices whose RNG a session owns: all visible ones in one process, only its
+    own under torch.distributed (one device per rank)."""
+    if not torch.cuda.is_available():
+        return []
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return [torch.cuda.current_device()]
+    return list(range(torch.cuda.device_count()))
+
+
+def layout_like(param: torch.Tensor, value: torch.Tensor, cast: bool = True) -> torch.Tensor:
+    """`value` (a full tensor) on `param`'s device (and dtype with `cast`), and sharded like
+    `param` when that is an FSDP2 DTensor (each rank keeps its own slice: no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    dtype = param.dtype if cast else value.dtype
+    if isinstance(param, DTensor) and not isinstance(value, DTensor):
+        local = value.to(param.to_local().device, dtype)
+        return distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
+    return value.to(param.device, dtype) if cast else value.to(param.device)
 
 
 def _jsonable(value: Any) -> Any:

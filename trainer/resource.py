@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -26,17 +27,20 @@ from trainer.model import (
     local_dir,
     read_model_weights,
 )
-from trainer.policy import FullPolicy, LoraPolicy, Policy
+from trainer.policy import FullPolicy, LoraPolicy, Policy, layout_like
 from trainer.session import EngineOptions, TrainingSession, Versions
 from trainer.specs import LoraConfig, ModelEntry, ResourceSpec, SessionSpec
-
 
 # One lock for all compute in the process: operations swap their session's RNG state into the
 # global torch RNG, and a worker drives one accelerator, so resources take turns.
 COMPUTE_LOCK = threading.RLock()
 
+SHARDED_DIR = "sharded"  # a multi-rank training checkpoint's tensors (weights + optimizer)
+
 
 class ModelResource:
+    session_type: type[TrainingSession] = TrainingSession
+
     def __init__(
         self,
         entry: ModelEntry,
@@ -51,7 +55,7 @@ class ModelResource:
         self.device = torch.device(device) if device else default_device()
         self.options = options or EngineOptions()
         self.lock = COMPUTE_LOCK
-        self.model, self.tokenizer = load_base_model(entry, self.device)
+        self.model, self.tokenizer = self._load_model()
         self.lora = spec.lora_enabled
         self.has_generator = spec.compute_config.num_generator_replicas > 0
         self.sessions: dict[str, TrainingSession] = {}
@@ -65,6 +69,16 @@ class ModelResource:
         self.eos_ids: set[int] = set(
             eos if isinstance(eos, list) else [eos] if eos is not None else []
         )
+
+    def _load_model(self) -> tuple[Any, Any]:
+        return load_base_model(self.entry, self.device)
+
+    def _draw_seed(self) -> int:
+        """A fresh session seed when the spec gives none."""
+        return _random_seed()
+
+    def _full_policy(self) -> Policy:
+        return FullPolicy(self.model, with_generator=self.has_generator)
 
     # -- sessions --------------------------------------------------------------------------
 
@@ -94,7 +108,7 @@ class ModelResource:
         policy: Policy
         if seed is None:  # a seeded LoRA session is reproducible end to end, dropout included
             seed = lora_config.seed if self.lora and lora_config.seed is not None else None
-        rng_seed = seed if seed is not None else _random_seed()
+        rng_seed = seed if seed is not None else self._draw_seed()
         if self.lora:
             if lora_config.rank > self.entry.max_lora_rank:
                 raise invalid(
@@ -117,8 +131,8 @@ class ModelResource:
             self._base_dirty = True
             if untie_head and is_tied(self.model):
                 _untie_head(self.model)
-            policy = FullPolicy(self.model, with_generator=self.has_generator)
-        return TrainingSession(
+            policy = self._full_policy()
+        return self.session_type(
             resource=self,
             id=session_id,
             spec=spec,
@@ -134,7 +148,8 @@ class ModelResource:
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, param in params.items():
-                param.copy_(weights[name] if name in weights else weights[_tied_source(name)])
+                value = weights[name] if name in weights else weights[_tied_source(name)]
+                param.copy_(layout_like(param, value, cast=False))
 
     def _resume_checkpoint(self, session_id: str, spec: SessionSpec) -> TrainingSession:
         field = "resume_from_checkpoint_id"
@@ -168,11 +183,8 @@ class ModelResource:
             session_id, spec, lora_config, seed=state["rng_seed"] if load_optimizer else None
         )
         try:
-            session.policy.load_weights(load_file(str(record.path / "weights.safetensors")), field)
+            self._restore_tensors(session, record.path, load_optimizer, field)
             if load_optimizer:
-                session.load_optimizer_tensors(
-                    load_file(str(record.path / "optimizer.safetensors"))
-                )
                 session.restore_rng(load_file(str(record.path / "rng.safetensors")))
                 session.step = state["step"]
                 session.versions = Versions(
@@ -186,6 +198,21 @@ class ModelResource:
             raise invalid(field, str(exc)) from None
         self.sessions[session_id] = session
         return session
+
+    def _restore_tensors(
+        self, session: TrainingSession, path: Path, load_optimizer: bool, field: str
+    ) -> None:
+        """Weights (and the optimizer state) of a training checkpoint into a new session."""
+        if (path / "weights.safetensors").exists():
+            weights = load_file(str(path / "weights.safetensors"))
+            optimizer = load_file(str(path / "optimizer.safetensors")) if load_optimizer else {}
+        else:  # written by several ranks: see trainer/distributed.py
+            tensors = read_sharded(path / SHARDED_DIR)
+            weights = {k: v for k, v in tensors.items() if "::" not in k}
+            optimizer = {k: v for k, v in tensors.items() if "::" in k}
+        session.policy.load_weights(weights, field)
+        if load_optimizer:
+            session.load_optimizer_tensors(optimizer)
 
     def _resume_hf(self, session_id: str, spec: SessionSpec) -> TrainingSession:
         field = "resume_from_hf_checkpoint"
@@ -248,6 +275,26 @@ class ModelResource:
             self._peft = {"model": None}
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+
+
+def read_sharded(directory: Path) -> dict[str, torch.Tensor]:
+    """Full tensors from a checkpoint saved by `torch.distributed.checkpoint` in the
+    Hugging Face layout (one safetensors file per rank; each header holds the offsets of its
+    slices), assembled in this process without a process group. No pickle is read."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+
+    reader = HuggingFaceStorageReader(str(directory))
+    metadata = reader.read_metadata().state_dict_metadata
+    tensors: dict[str, Any] = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)  # type: ignore[union-attr]
+        for key, meta in metadata.items()
+    }
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        reader = HuggingFaceStorageReader(str(directory))
+        dcp.load(tensors, storage_reader=reader, no_dist=True)
+    return tensors
 
 
 def _random_seed() -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,9 +62,18 @@ def generate(
     eos_ids: set[int],
     stop_hit: Callable[[list[int]], bool] | None = None,
     seed: int | None = None,
+    forward: Callable[..., Any] | None = None,
+    agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> list[list[Sequence]]:
-    """`num_samples` completions for each prompt; returns sequences grouped by prompt."""
+    """`num_samples` completions for each prompt; returns sequences grouped by prompt.
+
+    `forward(**kwargs)` runs the model (default: `model` itself; a sharded model is called
+    through its FSDP root). `agree(chosen_S)` returns the tokens to continue with: under
+    torch.distributed, rank 0's choice broadcast to every rank, so all stay in lockstep.
+    """
     from transformers import DynamicCache
+
+    call = model if forward is None else forward
 
     device = next(model.parameters()).device
     rows = [prompt for prompt in prompts for _ in range(num_samples)]
@@ -78,7 +88,7 @@ def generate(
     generator = torch.Generator()
     generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
     cache_kw = {_cache_kwarg(model): DynamicCache()}
-    out = model(
+    out = call(
         input_ids=input_ids,
         attention_mask=attention,
         position_ids=positions,
@@ -93,6 +103,8 @@ def generate(
         logits = out.logits[:, -1, :].float()
         logprobs = torch.log_softmax(logits, dim=-1)
         chosen = _choose(logits, params, generator)
+        if agree is not None:
+            chosen = agree(chosen)
         chosen_lp = logprobs.gather(-1, chosen[:, None]).squeeze(-1).cpu()
         for r, seq in enumerate(sequences):
             if done[r]:
@@ -106,7 +118,7 @@ def generate(
         if bool(done.all()) or len(sequences[0].tokens) >= params.max_tokens:
             break
         attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=-1)
-        out = model(
+        out = call(
             input_ids=chosen[:, None],
             attention_mask=attention,
             position_ids=next_pos,
@@ -119,13 +131,14 @@ def generate(
 
 @torch.no_grad()
 def prompt_logprobs(
-    model: nn.Module, prompt: list[int], topk: int
+    model: nn.Module, prompt: list[int], topk: int, forward: Callable[..., Any] | None = None
 ) -> tuple[list[float], list[dict[str, list]]]:
     """Teacher-forced logprobs of each prompt token (entry 0 is a 0.0 placeholder), and the
     top-k alternatives per position (entry 0 empty)."""
     device = next(model.parameters()).device
     ids = torch.tensor([prompt], dtype=torch.long, device=device)
-    logprobs_L_V = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
+    call = model if forward is None else forward
+    logprobs_L_V = torch.log_softmax(call(input_ids=ids).logits[0].float(), dim=-1)
     targets = ids[0, 1:]
     chosen = logprobs_L_V[:-1].gather(-1, targets[:, None]).squeeze(-1).tolist()
     top: list[dict[str, list]] = [{"token_ids": [], "logprobs": []}]

@@ -31,7 +31,7 @@ from trainer.checkpoints import INFERENCE, TRAINING, CheckpointRecord, write_jso
 from trainer.errors import OperationError, invalid
 from trainer.logprobs import token_logprobs
 from trainer.losses import LossInputs, LossOutputs, compute_loss, custom_loss
-from trainer.policy import Policy
+from trainer.policy import Policy, cuda_devices, layout_like
 from trainer.specs import (
     AdamParams,
     Gradient,
@@ -97,7 +97,7 @@ class TrainingSession:
         self.optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
         gen = torch.Generator().manual_seed(self.rng_seed)
         self._cpu_rng = gen.get_state()
-        self._cuda_rng = [torch.cuda.get_rng_state(i) for i in _cuda_devices()]
+        self._cuda_rng = [torch.cuda.get_rng_state(i) for i in cuda_devices()]
 
     # -- state -----------------------------------------------------------------------------
 
@@ -113,15 +113,16 @@ class TrainingSession:
         """Resource lock + this session's RNG state swapped in for the operation."""
         if not self.active:
             raise OperationError("SESSION_NOT_ACTIVE", f"session {self.id} is not running")
-        with self.resource.lock, torch.random.fork_rng(devices=_cuda_devices()):
+        devices = cuda_devices()
+        with self.resource.lock, torch.random.fork_rng(devices=devices):
             torch.set_rng_state(self._cpu_rng)
-            for i, state in enumerate(self._cuda_rng):
+            for i, state in zip(devices, self._cuda_rng):
                 torch.cuda.set_rng_state(state, i)
             try:
                 yield
             finally:
                 self._cpu_rng = torch.get_rng_state()
-                self._cuda_rng = [torch.cuda.get_rng_state(i) for i in _cuda_devices()]
+                self._cuda_rng = [torch.cuda.get_rng_state(i) for i in cuda_devices()]
 
     def _prepare(
         self,
@@ -190,9 +191,7 @@ class TrainingSession:
         return_outputs: bool,
     ) -> dict[str, Any]:
         norm = loss_norm(prepared)
-        batches = pack(
-            prepared, row_tokens=self.options.row_tokens, token_budget=self.options.token_budget
-        )
+        batches = self._pack(prepared)
         with self._running(), self.policy.training(train=not forward_only):
             stash = None if forward_only else self._stash_grads()
             try:
@@ -207,6 +206,12 @@ class TrainingSession:
                 self._merge_grads(stash)
         return result
 
+    def _pack(self, prepared: list[PreparedSample]) -> list[MicroBatch]:
+        """The micro-batches this process runs (all of the call's samples here)."""
+        return pack(
+            prepared, row_tokens=self.options.row_tokens, token_budget=self.options.token_budget
+        )
+
     def _run_batches(
         self,
         batches: list[MicroBatch],
@@ -217,7 +222,7 @@ class TrainingSession:
     ) -> dict[str, Any]:
         total = 0.0
         sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-        outputs: dict[int, torch.Tensor] = {}
+        outputs: dict[int, list[float]] = {}
         for batch in batches:
             with torch.set_grad_enabled(not forward_only):
                 logprobs_P, entropy_P = self._logprobs(batch, with_entropy=forward_only)
@@ -240,34 +245,13 @@ class TrainingSession:
                 sums["loss/entropy/mean"][1] += float(entropy_P.numel())
             if return_outputs:
                 self._collect_outputs(batch, lp, outputs)
-        metrics = {name: (num / den if den else 0.0) for name, (num, den) in sums.items()}
-        metrics["loss/tokens"] = norm.total_mask
-        result: dict[str, Any] = {"loss": total, "metrics": metrics}
-        if return_outputs:
-            result["loss_fn_outputs"] = [
-                {"tensors": {"logprobs": {"data": outputs[i].tolist(), "dtype": "float32"}}}
-                for i in sorted(outputs)
-            ]
-        return result
+        return call_result(total, sums, outputs if return_outputs else None, norm)
 
     def _logprobs(
         self, batch: MicroBatch, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        model = self.policy.model
-        device = self.device
-        hidden = model.get_decoder()(
-            input_ids=batch.tokens_R_L.to(device),
-            position_ids=batch.position_ids_R_L.to(device),
-            attention_mask=batch.attention_mask_R_1_L_L.to(device),
-            use_cache=False,
-        ).last_hidden_state
-        hidden_P_H = hidden.reshape(-1, hidden.shape[-1])[batch.keep_index_P.to(device)]
-        return token_logprobs(
-            hidden_P_H,
-            model.get_output_embeddings(),
-            batch.targets_P.to(device),
-            chunk_tokens=self.options.chunk_tokens,
-            with_entropy=with_entropy,
+        return batch_logprobs(
+            self.policy.model, batch, self.device, self.options.chunk_tokens, with_entropy
         )
 
     def _loss_inputs(self, batch: MicroBatch, logprobs_P: torch.Tensor, norm: Any) -> LossInputs:
@@ -291,7 +275,7 @@ class TrainingSession:
 
     @staticmethod
     def _collect_outputs(
-        batch: MicroBatch, logprobs_P: torch.Tensor, outputs: dict[int, torch.Tensor]
+        batch: MicroBatch, logprobs_P: torch.Tensor, outputs: dict[int, list[float]]
     ) -> None:
         offset = 0
         for sample in batch.samples:
@@ -299,7 +283,7 @@ class TrainingSession:
             n = int(kept.sum())
             full = torch.zeros(sample.length, dtype=torch.float32)
             full[kept] = logprobs_P[offset : offset + n]
-            outputs[sample.index] = full
+            outputs[sample.index] = full.tolist()
             offset += n
 
     # -- gradients, kept apart until they are known to be finite ---------------------------
@@ -334,13 +318,11 @@ class TrainingSession:
         with self._running():
             params = list(self.policy.trainable.values())
             grads = [p.grad for p in params if p.grad is not None]
-            norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+            norm = self._grad_norm(grads) if grads else 0.0
             if not torch.isfinite(torch.tensor(norm)):
                 raise OperationError("NON_FINITE_LOSS", f"the gradient norm is {norm}")
             if adam.grad_clip_norm > 0 and grads:
-                torch.nn.utils.clip_grads_with_norm_(
-                    params, adam.grad_clip_norm, torch.tensor(norm)
-                )
+                self._clip_grads(params, adam.grad_clip_norm, norm)
             clipped = min(norm, adam.grad_clip_norm) if adam.grad_clip_norm > 0 else norm
             for group in self.optimizer.param_groups:
                 group.update(
@@ -361,6 +343,13 @@ class TrainingSession:
                 "learning_rate": adam.learning_rate,
             },
         }
+
+    def _grad_norm(self, grads: list[torch.Tensor]) -> float:
+        """The global L2 norm of the gradients (all of them, wherever they live)."""
+        return float(torch.nn.utils.get_total_norm(grads))
+
+    def _clip_grads(self, params: list[torch.nn.Parameter], max_norm: float, norm: float) -> None:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(norm))
 
     # -- generator -------------------------------------------------------------------------
 
@@ -412,6 +401,7 @@ class TrainingSession:
             self._apply_pending()
             version = self.versions.applied_weights_version
             with self.policy.published() as model:
+                forward = self._model_forward(model)
                 groups = sampler.generate(
                     model,
                     prompts,
@@ -420,6 +410,8 @@ class TrainingSession:
                     eos_ids=self.resource.eos_ids,
                     stop_hit=stop_hit,
                     seed=params.seed,
+                    forward=forward,
+                    agree=self._agree_tokens,
                 )
                 results = []
                 for prompt, group in zip(prompts, groups, strict=True):
@@ -436,13 +428,23 @@ class TrainingSession:
                         "policy_segments": [{"start_token": 0, "version": version}],
                     }
                     if prompt_logprobs or topk_prompt_logprobs:
-                        lps, top = sampler.prompt_logprobs(model, prompt, topk_prompt_logprobs)
+                        lps, top = sampler.prompt_logprobs(
+                            model, prompt, topk_prompt_logprobs, forward=forward
+                        )
                         if prompt_logprobs:
                             result["prompt_logprobs"] = lps
                         if topk_prompt_logprobs:
                             result["topk_prompt_logprobs"] = top
                     results.append(result)
         return {"results": results}
+
+    def _model_forward(self, model: torch.nn.Module) -> Callable[..., Any]:
+        """How generation calls the model (here: directly)."""
+        return model
+
+    def _agree_tokens(self, chosen_S: torch.Tensor) -> torch.Tensor:
+        """The tokens every process continues with (here: the ones just chosen)."""
+        return chosen_S
 
     def _check_prompts(
         self,
@@ -531,10 +533,14 @@ class TrainingSession:
 
     def save_inference_checkpoint(self) -> CheckpointRecord:
         """LoRA: `adapter/` (PEFT) + `merged/`; full weights: `merged/`."""
+        return self._write_inference()
+
+    def _write_inference(self, source: Any = None) -> CheckpointRecord:
+        """`source`: the model whose `state_dict()` is exported (default: the live one)."""
         state = self._state_json()
 
         def writer(out: Path) -> None:
-            self.policy.export_inference(out, self.resource.tokenizer)
+            self.policy.export_inference(out, self.resource.tokenizer, source)
             write_json(out / "state.json", state)
 
         with self._running():
@@ -589,7 +595,8 @@ class TrainingSession:
         for name, state in by_param.items():
             param = self.policy.trainable[name]
             self.optimizer.state[param] = {
-                slot: (v if slot == "step" else v.to(param.device)) for slot, v in state.items()
+                slot: (v if slot == "step" else layout_like(param, v, cast=False))
+                for slot, v in state.items()
             }
 
     def restore_rng(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -607,5 +614,40 @@ class TrainingSession:
             self.policy.close()
 
 
-def _cuda_devices() -> list[int]:
-    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+def batch_logprobs(
+    model: Any, batch: MicroBatch, device: torch.device, chunk_tokens: int, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Decoder over the packed rows, then the chunked head at the kept positions."""
+    hidden = model.get_decoder()(
+        input_ids=batch.tokens_R_L.to(device),
+        position_ids=batch.position_ids_R_L.to(device),
+        attention_mask=batch.attention_mask_R_1_L_L.to(device),
+        use_cache=False,
+    ).last_hidden_state
+    hidden_P_H = hidden.reshape(-1, hidden.shape[-1])[batch.keep_index_P.to(device)]
+    return token_logprobs(
+        hidden_P_H,
+        model.get_output_embeddings(),
+        batch.targets_P.to(device),
+        chunk_tokens=chunk_tokens,
+        with_entropy=with_entropy,
+    )
+
+
+def call_result(
+    total: float,
+    sums: dict[str, list[float]],
+    outputs: dict[int, list[float]] | None,
+    norm: Any,
+) -> dict[str, Any]:
+    """The call's result from its summed loss, metric (numerator, denominator) pairs and
+    per-sample logprobs."""
+    metrics = {name: (num / den if den else 0.0) for name, (num, den) in sums.items()}
+    metrics["loss/tokens"] = norm.total_mask
+    result: dict[str, Any] = {"loss": total, "metrics": metrics}
+    if outputs is not None:
+        result["loss_fn_outputs"] = [
+            {"tensors": {"logprobs": {"data": outputs[i], "dtype": "float32"}}}
+            for i in sorted(outputs)
+        ]
+    return result

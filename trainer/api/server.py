@@ -25,6 +25,7 @@ from trainer.api.app import create_app
 from trainer.api.config import ServeConfig, is_loopback
 from trainer.api.errors import ApiError
 from trainer.api.requests import CreateResourceBody, CreateSessionBody
+from trainer.api.resources import Loader
 from trainer.api.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -123,9 +124,11 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def serve(config: ServeConfig, log_level: str = "info") -> int:
+def serve(config: ServeConfig, log_level: str = "info", loader: Loader | None = None) -> int:
+    """`loader` builds the engine of each resource (default: one process, `load_resource`;
+    under torchrun: `trainer.distributed.resource_loader`, rank 0's SPMD proxies)."""
     token = resolve_token(config)
-    worker = Worker(config)
+    worker = Worker(config) if loader is None else Worker(config, loader=loader)
     preload(worker, config.resource_file, config.session_file)
     app = create_app(worker, token)
     log.info(

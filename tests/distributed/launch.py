@@ -1,0 +1,70 @@
+"""Start the ranks of a distributed test as plain processes (no torchrun agent, so a rank
+that dies does not take the others down with it: the tests watch how the survivors react)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class RankResult:
+    rank: int
+    returncode: int | None  # None: killed at the deadline
+    log: str
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_ranks(
+    args: list[str],
+    *,
+    world_size: int,
+    log_dir: Path,
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+) -> list[RankResult]:
+    """Run `python -m tests.distributed.spmd_case ARGS` as `world_size` ranks; wait for all
+    (killing what is left at `timeout_s`)."""
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        rank_env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONPATH": str(ROOT),
+            **(env or {}),
+        }
+        log = open(log_dir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
+        cmd = [sys.executable, "-m", "tests.distributed.spmd_case", *args]
+        procs.append((subprocess.Popen(cmd, cwd=ROOT, env=rank_env, stdout=log, stderr=log), log))
+    deadline = time.monotonic() + timeout_s
+    results = []
+    for rank, (proc, log) in enumerate(procs):
+        try:
+            code: int | None = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            code = None
+        log.close()
+        results.append(RankResult(rank, code, (log_dir / f"rank{rank}.log").read_text()))
+    return results

@@ -1,0 +1,104 @@
+"""The calls a distributed test makes, shared by the 1-process reference and the 2-rank run.
+
+`drive` only uses the interface `ModelResource` and `DistributedResource` have in common, so
+the same function produces both sides of each comparison.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.engine.helpers import model_input, random_batch
+from trainer.session import EngineOptions
+from trainer.specs import (
+    AdamParams,
+    Gradient,
+    LoraConfig,
+    LossConfig,
+    ModelEntry,
+    ResourceSpec,
+    SamplingParams,
+    SessionSpec,
+)
+
+# Small rows and budgets: several micro-batches per call, unevenly split over two ranks.
+OPTIONS = EngineOptions(row_tokens=16, token_budget=16, chunk_tokens=8)
+# Adam's eps at 1e-4, not 1e-8: with 1e-8, an entry whose gradient is ~1e-7 moves by ~±lr
+# and the order of a float sum decides its sign, so weights could not be compared at 1e-4.
+# Losses and gradient norms are compared at every step whatever eps is.
+ADAM = AdamParams(learning_rate=1e-3, eps=1e-4)
+PROMPT = [5, 6, 7, 8]
+
+
+def entry(model_dir: str) -> ModelEntry:
+    return ModelEntry(name="tiny", location=model_dir, max_seq_length=256, max_lora_rank=64)
+
+
+def resource_spec(kind: str) -> ResourceSpec:
+    return ResourceSpec(
+        base_model="tiny",
+        lora_enabled=kind == "lora",
+        compute_config={"num_generator_replicas": 1},
+    )
+
+
+def session_spec(kind: str, resume_id: str | None = None) -> SessionSpec:
+    if kind == "lora":
+        lora = LoraConfig(rank=8, alpha=16, seed=3)
+        return SessionSpec(lora_config=lora, resume_from_checkpoint_id=resume_id)
+    return SessionSpec(resume_from_checkpoint_id=resume_id)
+
+
+def drive(resource: Any, kind: str) -> dict[str, Any]:
+    """Sample at step 0, train 4 steps (PPO on 3 samples, GRPO on 5, custom on 3), forward,
+    sync, then write a training and an inference checkpoint."""
+    session = resource.create_session(f"{kind}-a", session_spec(kind))
+    params = SamplingParams(max_tokens=5, seed=11, temperature=1.0)
+    prompts = [model_input(PROMPT)]
+    out: dict[str, Any] = {
+        "sample0": session.sample(prompts, num_samples=2, sampling_params=params)
+    }
+    steps = []
+    for step in range(3):
+        ppo = session.forward_backward(
+            LossConfig(type="LOSS_TYPE_PPO"),
+            random_batch(100 + step, n=3, advantages="randn", logprobs="logprobs"),
+        )
+        grpo = session.forward_backward(
+            LossConfig(type="LOSS_TYPE_GRPO"),
+            random_batch(200 + step, n=5, advantages="randn", logprobs="logprobs"),
+        )
+        optim = session.optim_step(ADAM)
+        steps.append([ppo["loss"], grpo["loss"], optim["metrics"]["grad_norm"]])
+        out["ppo_metrics"] = ppo["metrics"]
+    batch = random_batch(300, n=3)
+    grads = [Gradient(data=[0.5] * len(s.model_input.tokens)) for s in batch]
+    session.custom_forward_backward(batch, grads)
+    optim = session.optim_step(ADAM)
+    steps.append([0.0, 0.0, optim["metrics"]["grad_norm"]])
+    out["steps"] = steps
+    out["forward"] = session.forward_backward(
+        LossConfig(type="LOSS_TYPE_CROSS_ENTROPY"),
+        random_batch(400, n=3, weights="ones"),
+        forward_only=True,
+        return_loss_fn_outputs=True,
+    )
+    session.weights_sync("WEIGHT_SYNC_TYPE_SYNCHRONOUS")
+    out["sample1"] = session.sample(prompts, num_samples=2, sampling_params=params)
+    out["step"] = session.step
+    out["training"] = session.save_training_checkpoint().id
+    out["inference"] = str(session.save_inference_checkpoint().path)
+    resource.close_session(f"{kind}-a")
+    return out
+
+
+def resume_and_save(resource: Any, kind: str, checkpoint_id: str) -> dict[str, str]:
+    """Resume a training checkpoint and save it again at once (training and inference): both
+    must match the checkpoints saved by the run that wrote `checkpoint_id`, bit for bit."""
+    session = resource.create_session(f"{kind}-r", session_spec(kind, checkpoint_id))
+    saved = {
+        "training": session.save_training_checkpoint().id,
+        "inference": str(session.save_inference_checkpoint().path),
+    }
+    resource.close_session(f"{kind}-r")
+    return saved

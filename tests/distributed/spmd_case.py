@@ -1,0 +1,113 @@
+"""One rank of a distributed test, started by `launch.run_ranks`:
+
+    RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29511 \
+        python -m tests.distributed.spmd_case train --model-dir D --storage S --out R.json
+
+Rank 0 drives the case through the rank-0 proxies and writes its result as JSON; the other
+ranks serve commands in `run_worker` until rank 0 shuts them down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from tests.distributed.scenario import (
+    OPTIONS,
+    drive,
+    entry,
+    resource_spec,
+    resume_and_save,
+    session_spec,
+)
+from tests.engine.helpers import random_batch
+from trainer.checkpoints import CheckpointStore
+from trainer.distributed import DistributedResource, Spmd, init_distributed, run_worker
+from trainer.errors import OperationError
+from trainer.specs import LossConfig
+
+
+def case_train(spmd: Spmd, store: CheckpointStore, args: argparse.Namespace) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for kind in ("full", "lora"):
+        resource = DistributedResource(spmd, entry(args.model_dir), resource_spec(kind), store)
+        result[kind] = drive(resource, kind)
+        reference = json.loads(Path(args.reference).read_text())[kind]["training"]
+        result[kind]["resumed"] = resume_and_save(resource, kind, reference)
+        result[kind]["invalid"] = _refused(resource, kind)
+        resource.close()
+    return result
+
+
+def _refused(resource: DistributedResource, kind: str) -> dict[str, Any]:
+    """Bad input fails on every rank alike: a clean error, and the group stays usable."""
+    session = resource.create_session(f"{kind}-bad", session_spec(kind))
+    bad = random_batch(7, n=3, weights="ones")
+    bad[2].model_input.chunks[0].encoded_text.tokens[1] = 10_000  # type: ignore[union-attr]
+    try:
+        session.forward_backward(LossConfig(type="LOSS_TYPE_CROSS_ENTROPY"), bad)
+        refused: dict[str, Any] = {"code": None}
+    except OperationError as exc:
+        refused = {"code": exc.code, "message": exc.message}
+    refused["then"] = session.forward_backward(
+        LossConfig(type="LOSS_TYPE_CROSS_ENTROPY"), bad[:2], forward_only=True
+    )["loss"]
+    resource.close_session(f"{kind}-bad")
+    return refused
+
+
+def case_fault(spmd: Spmd, store: CheckpointStore, args: argparse.Namespace) -> dict[str, Any]:
+    """TRAINER_DIST_FAULT makes a rank die or raise inside forward_backward: two calls."""
+    resource = DistributedResource(spmd, entry(args.model_dir), resource_spec("lora"), store)
+    session = resource.create_session("s", session_spec("lora"))
+    errors = []
+    for _ in range(2):
+        start = time.monotonic()
+        try:
+            session.forward_backward(
+                LossConfig(type="LOSS_TYPE_CROSS_ENTROPY"), random_batch(1, n=3, weights="ones")
+            )
+            errors.append(None)
+        except OperationError as exc:
+            errors.append(
+                {"code": exc.code, "message": exc.message, "seconds": time.monotonic() - start}
+            )
+    return {"errors": errors}
+
+
+CASES = {"train": case_train, "fault": case_fault}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("case", choices=sorted(CASES))
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--storage", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--reference")
+    args = parser.parse_args()
+    comm = init_distributed()
+    spmd = Spmd(comm, options=OPTIONS)
+    if comm.rank != 0:
+        code = run_worker(spmd)
+        if code == 0:
+            dist.destroy_process_group()
+        return code
+    store = CheckpointStore(Path(args.storage))
+    result = CASES[args.case](spmd, store, args)
+    Path(args.out).write_text(json.dumps(result))
+    healthy = spmd.broken is None
+    spmd.shutdown()
+    if healthy:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""`torchrun --nproc-per-node 2 -m trainer serve`: rank 0 serves HTTP, the SDK drives both ranks.
+
+A LoRA session trains three cross-entropy steps over two gloo ranks; the losses equal those of
+the same calls on a one-process worker, and SIGTERM stops every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+TOKEN = "torchrun-test-token"
+SAMPLES = [
+    {
+        "model_input": {"chunks": [{"encoded_text": {"tokens": [5, 6, 7, 8, 9]}}]},
+        "loss_fn_inputs": {
+            "target_tokens": {"data": [6, 7, 8, 9, 10], "dtype": "int64"},
+            "weights": {"data": [1, 1, 1, 1, 1], "dtype": "float32"},
+        },
+    },
+    {
+        "model_input": {"chunks": [{"encoded_text": {"tokens": [20, 21, 22]}}]},
+        "loss_fn_inputs": {
+            "target_tokens": {"data": [21, 22, 23], "dtype": "int64"},
+            "weights": {"data": [0, 1, 1], "dtype": "float32"},
+        },
+    },
+    {
+        "model_input": {"chunks": [{"encoded_text": {"tokens": [40, 41, 42, 43]}}]},
+        "loss_fn_inputs": {
+            "target_tokens": {"data": [41, 42, 43, 44], "dtype": "int64"},
+            "weights": {"data": [1, 1, 1, 1], "dtype": "float32"},
+        },
+    },
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _launch(ranks: int, model_dir: Path, storage: Path, port: int) -> subprocess.Popen:
+    serve = [
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--storage",
+        str(storage),
+        "--model",
+        f"tiny={model_dir}",
+        "--device",
+        "cpu",
+    ]
+    if ranks == 1:
+        cmd = [sys.executable, "-m", "trainer", *serve]
+    else:
+        torchrun = shutil.which("torchrun") or "torchrun"
+        cmd = [
+            torchrun,
+            "--standalone",
+            f"--nproc-per-node={ranks}",
+            f"--master-port={_free_port()}",
+            "-m",
+            "trainer",
+            *serve,
+        ]
+    env = {**os.environ, "TRAINER_API_TOKEN": TOKEN, "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def _train(port: int) -> list[float]:
+    from together.post_training import ModelResourcesClient
+
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the worker did not come up"
+        time.sleep(0.5)
+    resource = ModelResourcesClient.create(
+        api_key=TOKEN, base_url=f"http://127.0.0.1:{port}/v1", base_model="tiny"
+    )
+    try:
+        session = resource.create_session(lora_config={"rank": 4, "seed": 3})
+        losses = []
+        for _ in range(3):
+            out = session.trainer.forward_backward(
+                samples=SAMPLES, loss={"type": "LOSS_TYPE_CROSS_ENTROPY"}
+            )
+            losses.append(float(out.loss))
+            session.trainer.optim_step(adam_params={"learning_rate": 1e-2})
+        return losses
+    finally:
+        resource.stop(force=True)
+
+
+def _run(ranks: int, model_dir: Path, storage: Path) -> list[float]:
+    port = _free_port()
+    proc = _launch(ranks, model_dir, storage, port)
+    try:
+        losses = _train(port)
+    finally:
+        proc.send_signal(signal.SIGTERM)  # torchrun forwards it to every rank
+        try:
+            code = proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    if ranks == 1:
+        assert code == 0
+    # torchrun itself exits 1 on a signal (its SignalException) after the ranks have stopped;
+    # what matters is that no rank is left behind
+    deadline = time.monotonic() + 30
+    while _group_alive(proc.pid):
+        assert time.monotonic() < deadline, "a rank outlived SIGTERM"
+        time.sleep(0.5)
+    return losses
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_two_rank_worker_matches_one_process(tiny_qwen_dir, tmp_path) -> None:
+    two = _run(2, tiny_qwen_dir, tmp_path / "two")
+    one = _run(1, tiny_qwen_dir, tmp_path / "one")
+    assert two == pytest.approx(one, rel=1e-4)
+    assert two[-1] < two[0]

@@ -1,0 +1,128 @@
+"""FSDP2 sharding of a model (per decoder layer, then a root every compute enters through),
+gathering it back for exports, and the full-weight policy whose published copy is sharded."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from trainer.distributed.comm import Comm
+from trainer.policy import FullPolicy
+
+
+class ShardedRoot(nn.Module):
+    """The FSDP root: `root(fn, *args)` runs `fn(model, *args)` under the root's hooks, so
+    the embedding, final norm and head are gathered whatever part of the model `fn` calls."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return fn(self.model, *args, **kwargs)
+
+
+def shard_model(model: nn.Module, comm: Comm, cpu_offload: bool = False) -> ShardedRoot:
+    """`fully_shard` each decoder layer, then the root; gradients are reduced as sums."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        FSDPModule,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
+
+    mesh = init_device_mesh(comm.device.type, (comm.world_size,))
+    mp = MixedPrecisionPolicy()
+    if comm.device.type == "cuda":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    decoder = cast(Any, model).get_decoder()
+    for layer in decoder.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
+    root = ShardedRoot(model)
+    fully_shard(root, mesh=mesh, mp_policy=mp, offload_policy=offload)
+    for module in root.modules():
+        if isinstance(module, FSDPModule):  # a plain SUM (gloo has no PREMUL_SUM)
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return root
+
+
+def reshard(root: ShardedRoot) -> None:
+    """Free the root's gathered parameters. FSDP keeps the root gathered after a forward
+    (for the backward); after a forward without backward they would go stale once the
+    sharded weights change (optimizer step, resume, published swap)."""
+    cast(Any, root).reshard()
+
+
+def gather_full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's full state dict on rank 0's CPU (empty elsewhere). Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
+
+
+class GatheredModel:
+    """A stand-in for the model whose `state_dict()` is the gathered full one (for exports)."""
+
+    def __init__(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        self._model = model
+        self._state = state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self._state
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class ShardedFullPolicy(FullPolicy):
+    """Full weights, sharded. The published weights are a sharded copy (1/N of the model per
+    rank) swapped into the live parameters while sampling, not a second model."""
+
+    def __init__(self, model: Any, root: ShardedRoot, with_generator: bool) -> None:
+        super().__init__(model, with_generator=False)
+        self._root = root
+        self._published = self.snapshot() if with_generator else None
+
+    @contextlib.contextmanager
+    def published(self) -> Iterator[nn.Module]:
+        if self._published is None:
+            raise RuntimeError("this resource has no generator")
+        live = self.snapshot()
+        self._copy_in(self._published)
+        self._model.eval()
+        try:
+            yield self._model
+        finally:
+            reshard(self._root)  # the gathered root holds published weights
+            self._copy_in(live)
+
+    def _copy_in(self, tensors: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, param in self.trainable.items():
+                param.copy_(tensors[name])
+
+    def publish(self, snapshot: dict[str, torch.Tensor] | None = None) -> None:
+        if self._published is None:
+            return
+        source = snapshot if snapshot is not None else self.trainable
+        with torch.no_grad():
+            for name, tensor in self._published.items():
+                tensor.copy_(source[name])
+
+    def close(self) -> None:
+        super().close()
+        self._published = None

@@ -1,0 +1,371 @@
+"""The command stream: rank 0's proxies (`DistributedResource`, `DistributedSession`) send
+each call as JSON to every rank, every rank executes it (`Executor`), and all ranks settle the
+outcome together; ranks other than 0 loop in `run_worker`."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, cast
+
+from trainer.checkpoints import CheckpointCorrupt, CheckpointRecord, CheckpointStore
+from trainer.distributed.comm import Comm, fault_point
+from trainer.distributed.resource import FollowerStore, ShardedModelResource
+from trainer.errors import OperationError
+from trainer.session import EngineOptions, TrainingSession
+from trainer.specs import (
+    AdamParams,
+    Gradient,
+    LossConfig,
+    ModelEntry,
+    ModelInput,
+    ResourceSpec,
+    Sample,
+    SamplingParams,
+    SessionSpec,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _session_op(session: TrainingSession, op: str, args: dict[str, Any]) -> Any:
+    samples = [Sample.model_validate(s) for s in args.get("samples", [])]
+    if op == "forward_backward":
+        return session.forward_backward(
+            LossConfig.model_validate(args["loss"]),
+            samples,
+            forward_only=args["forward_only"],
+            return_loss_fn_outputs=args["return_loss_fn_outputs"],
+        )
+    if op == "custom_forward_backward":
+        gradients = [Gradient.model_validate(g) for g in args["gradients"]]
+        return session.custom_forward_backward(samples, gradients)
+    if op == "optim_step":
+        return session.optim_step(AdamParams.model_validate(args["adam"]))
+    if op == "weights_sync":
+        return session.weights_sync(args["sync_type"])
+    if op == "sample":
+        return session.sample(
+            [ModelInput.model_validate(m) for m in args["model_inputs"]],
+            num_samples=args["num_samples"],
+            sampling_params=SamplingParams.model_validate(args["sampling_params"]),
+            prompt_logprobs=args["prompt_logprobs"],
+            topk_prompt_logprobs=args["topk_prompt_logprobs"],
+        )
+    if op == "save_training_checkpoint":
+        return session.save_training_checkpoint()
+    if op == "save_inference_checkpoint":
+        return session.save_inference_checkpoint()
+    raise ValueError(f"unknown session operation {op!r}")
+
+
+class Executor:
+    """Runs commands on this rank's replica of the engine objects."""
+
+    def __init__(self, comm: Comm, options: EngineOptions | None, cpu_offload: bool) -> None:
+        self.comm = comm
+        self.options = options
+        self.cpu_offload = cpu_offload
+        self.resources: dict[str, ShardedModelResource] = {}
+        self.follower_store = FollowerStore()
+
+    def run(self, command: dict[str, Any], store: CheckpointStore | None = None) -> Any:
+        op = command["op"]
+        fault_point(op)
+        if op == "load_resource":
+            resource = ShardedModelResource(
+                ModelEntry.model_validate(command["entry"]),
+                ResourceSpec.model_validate(command["spec"]),
+                store if store is not None else cast(CheckpointStore, self.follower_store),
+                self.comm,
+                options=self.options,
+                cpu_offload=self.cpu_offload,
+            )
+            self.resources[command["resource"]] = resource
+            return resource
+        resource = self.resources[command["resource"]]
+        if op == "close_resource":
+            self.resources.pop(command["resource"]).close()
+            return None
+        if op == "create_session":
+            for record in command.get("checkpoints", []):
+                self.follower_store.known[record["id"]] = _record_from_json(record)
+            return resource.create_session(
+                command["session"], SessionSpec.model_validate(command["spec"])
+            )
+        if op == "close_session":
+            resource.close_session(command["session"])
+            return None
+        session = resource.sessions[command["session"]]
+        return _session_op(session, op, command["args"])
+
+
+def _record_from_json(data: dict[str, Any]) -> CheckpointRecord:
+    return CheckpointRecord(**{**data, "path": Path(data["path"])})
+
+
+def _verdict(outcomes: list[dict[str, Any]]) -> str:
+    """`ok`: every rank succeeded. `failed`: every rank raised an `OperationError`; those are
+    raised where all ranks are in step (validation before any collective, or the global checks
+    after them) and leave each rank's state untouched, so the replicas still agree. `broken`:
+    anything else (some ranks only, or an unexpected exception that may have left the ranks'
+    collectives out of step)."""
+    if all(o["ok"] for o in outcomes):
+        return "ok"
+    if all(not o["ok"] and o["code"] is not None for o in outcomes):
+        return "failed"
+    return "broken"
+
+
+def _describe(exc: BaseException) -> dict[str, Any]:
+    code = exc.code if isinstance(exc, OperationError) else None
+    return {"ok": False, "type": type(exc).__name__, "message": str(exc), "code": code}
+
+
+class Spmd:
+    """The command stream of the job: rank 0 issues commands, every rank executes them."""
+
+    def __init__(
+        self,
+        comm: Comm,
+        options: EngineOptions | None = None,
+        cpu_offload: bool = False,
+        on_broken: Callable[[str], None] | None = None,
+    ) -> None:
+        self.comm = comm
+        self.executor = Executor(comm, options, cpu_offload)
+        self.lock = threading.Lock()
+        self.broken: str | None = None
+        self.on_broken = on_broken
+
+    def _break(self, reason: str) -> OperationError:
+        self.broken = reason
+        log.error("distributed worker group is broken: %s", reason)
+        if self.on_broken is not None:
+            self.on_broken(reason)
+        return OperationError("INTERNAL_ERROR", reason)
+
+    def _execute(self, command: dict[str, Any], store: Any = None) -> tuple[Any, Any, Any]:
+        """(outcome for the exchange, result, exception)."""
+        try:
+            return {"ok": True}, self.executor.run(command, store), None
+        except Exception as exc:
+            if self.comm.rank != 0:
+                log.warning("rank %d: %s failed: %r", self.comm.rank, command["op"], exc)
+            return _describe(exc), None, exc
+
+    def call(self, command: dict[str, Any], store: Any = None) -> Any:
+        """Rank 0: broadcast, execute here too, then settle with every rank's outcome."""
+        op = command["op"]
+        with self.lock:
+            if self.broken is not None:
+                raise OperationError(
+                    "INTERNAL_ERROR", f"the distributed worker group is broken ({self.broken})"
+                )
+            try:
+                self.comm.broadcast_json(command, group=self.comm.commands)
+            except Exception as exc:
+                raise self._break(f"rank 0 could not send {op}: {exc}") from None
+            outcome, result, error = self._execute(command, store)
+            try:
+                outcomes = self.comm.all_gather_json(outcome, group=self.comm.outcomes)
+            except Exception as exc:
+                first = f"rank 0: {type(error).__name__}: {error}; " if error else ""
+                raise self._break(
+                    f"{op} failed: {first}a peer rank is dead or stuck "
+                    f"(collective failed or timed out: {exc})"
+                ) from None
+            verdict = _verdict(outcomes)
+            if verdict == "ok":
+                return result
+            if verdict == "failed" and isinstance(error, OperationError):
+                raise error
+            failed = [(r, o) for r, o in enumerate(outcomes) if not o["ok"]]
+            details = "; ".join(f"rank {r}: {o['type']}: {o['message']}" for r, o in failed)
+            raise self._break(f"{op} failed ({details})")
+
+    def serve(self) -> int:
+        """Ranks ≠ 0: execute commands until `shutdown` (0) or a broken group (1)."""
+        while True:
+            try:
+                command = self.comm.broadcast_json(group=self.comm.commands)
+            except Exception as exc:
+                log.error("rank %d: lost rank 0 (%s); exiting", self.comm.rank, exc)
+                return 1
+            if command["op"] == "shutdown":
+                return 0
+            outcome, _, _ = self._execute(command)
+            try:
+                outcomes = self.comm.all_gather_json(outcome, group=self.comm.outcomes)
+            except Exception as exc:
+                log.error("rank %d: %s: a peer is gone (%s)", self.comm.rank, command["op"], exc)
+                return 1
+            if _verdict(outcomes) == "broken":
+                log.error("rank %d: %s broke the group %s", self.comm.rank, command["op"], outcomes)
+                return 1
+
+    def shutdown(self) -> None:
+        """Rank 0: release the workers (they return 0 from `run_worker`)."""
+        with self.lock:
+            if self.broken is None:
+                with contextlib.suppress(Exception):
+                    self.comm.broadcast_json({"op": "shutdown"}, group=self.comm.commands)
+            self.broken = "shut down"
+
+
+def run_worker(spmd: Spmd) -> int:
+    """The loop of ranks ≠ 0; returns the process exit code."""
+    if spmd.comm.rank == 0:
+        raise ValueError("rank 0 issues commands; run_worker is for the other ranks")
+    return spmd.serve()
+
+
+class DistributedSession:
+    """Rank 0's stand-in for a `TrainingSession`: each operation runs on every rank."""
+
+    def __init__(self, spmd: Spmd, resource_id: str, local: TrainingSession) -> None:
+        self._spmd = spmd
+        self._resource_id = resource_id
+        self.local = local
+        self.id = local.id
+
+    def _call(self, op: str, **args: Any) -> Any:
+        command = {"op": op, "resource": self._resource_id, "session": self.id, "args": args}
+        return self._spmd.call(command)
+
+    @property
+    def step(self) -> int:
+        return self.local.step
+
+    def policy_state(self) -> dict[str, Any]:
+        return self.local.policy_state()
+
+    def __getattr__(self, name: str) -> Any:  # spec, active, training_checkpoints, ...
+        return getattr(self.local, name)
+
+    def forward_backward(
+        self,
+        loss: LossConfig,
+        samples: list[Sample],
+        *,
+        forward_only: bool = False,
+        return_loss_fn_outputs: bool = False,
+    ) -> dict[str, Any]:
+        return cast(
+            dict[str, Any],
+            self._call(
+                "forward_backward",
+                loss=loss.model_dump(mode="json"),
+                samples=[s.model_dump(mode="json") for s in samples],
+                forward_only=forward_only,
+                return_loss_fn_outputs=return_loss_fn_outputs,
+            ),
+        )
+
+    def custom_forward_backward(
+        self, samples: list[Sample], gradients: list[Gradient]
+    ) -> dict[str, Any]:
+        return cast(
+            dict[str, Any],
+            self._call(
+                "custom_forward_backward",
+                samples=[s.model_dump(mode="json") for s in samples],
+                gradients=[g.model_dump(mode="json") for g in gradients],
+            ),
+        )
+
+    def optim_step(self, adam: AdamParams) -> dict[str, Any]:
+        return cast(dict[str, Any], self._call("optim_step", adam=adam.model_dump(mode="json")))
+
+    def weights_sync(self, sync_type: str) -> dict[str, Any]:
+        return cast(dict[str, Any], self._call("weights_sync", sync_type=sync_type))
+
+    def sample(
+        self,
+        model_inputs: list[ModelInput],
+        *,
+        num_samples: int = 1,
+        sampling_params: SamplingParams | None = None,
+        prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+    ) -> dict[str, Any]:
+        params = sampling_params or SamplingParams()
+        return cast(
+            dict[str, Any],
+            self._call(
+                "sample",
+                model_inputs=[m.model_dump(mode="json") for m in model_inputs],
+                num_samples=num_samples,
+                sampling_params=params.model_dump(mode="json"),
+                prompt_logprobs=prompt_logprobs,
+                topk_prompt_logprobs=topk_prompt_logprobs,
+            ),
+        )
+
+    def save_training_checkpoint(self) -> CheckpointRecord:
+        return cast(CheckpointRecord, self._call("save_training_checkpoint"))
+
+    def save_inference_checkpoint(self) -> CheckpointRecord:
+        return cast(CheckpointRecord, self._call("save_inference_checkpoint"))
+
+
+class DistributedResource:
+    """Rank 0's stand-in for a `ModelResource`, loaded and used on every rank."""
+
+    def __init__(
+        self, spmd: Spmd, entry: ModelEntry, spec: ResourceSpec, store: CheckpointStore
+    ) -> None:
+        self._spmd = spmd
+        self.id = f"r-{uuid.uuid4().hex}"
+        command = {
+            "op": "load_resource",
+            "resource": self.id,
+            "entry": entry.model_dump(mode="json"),
+            "spec": spec.model_dump(mode="json"),
+        }
+        self.local = cast(ShardedModelResource, spmd.call(command, store=store))
+        self.lora = self.local.lora
+        self.entry, self.spec, self.store = self.local.entry, self.local.spec, self.local.store
+
+    def __getattr__(self, name: str) -> Any:  # has_generator, vocab_size, tokenizer, ...
+        return getattr(self.local, name)
+
+    def create_session(self, session_id: str, spec: SessionSpec) -> DistributedSession:
+        checkpoints = []
+        if spec.resume_from_checkpoint_id:  # the other ranks resume what rank 0 verified
+            with contextlib.suppress(KeyError, CheckpointCorrupt):
+                record, _ = self.store.open(spec.resume_from_checkpoint_id)
+                checkpoints.append(record.to_json())
+        command = {
+            "op": "create_session",
+            "resource": self.id,
+            "session": session_id,
+            "spec": spec.model_dump(mode="json"),
+            "checkpoints": checkpoints,
+        }
+        local = cast(TrainingSession, self._spmd.call(command))
+        return DistributedSession(self._spmd, self.id, local)
+
+    def close_session(self, session_id: str) -> None:
+        command = {"op": "close_session", "resource": self.id, "session": session_id}
+        self._spmd.call(command)
+
+    def close(self) -> None:
+        self._spmd.call({"op": "close_resource", "resource": self.id})
+
+
+def resource_loader(
+    spmd: Spmd,
+) -> Callable[[ModelEntry, ResourceSpec, CheckpointStore, str | None], DistributedResource]:
+    """A drop-in for `trainer.api.engine.load_resource` on rank 0 (the device is per rank)."""
+
+    def load(
+        entry: ModelEntry, spec: ResourceSpec, store: CheckpointStore, device: str | None
+    ) -> DistributedResource:
+        return DistributedResource(spmd, entry, spec, store)
+
+    return load
