@@ -41,6 +41,7 @@ from trainer.specs import (
     SamplingParams,
     SessionSpec,
 )
+from trainer.tracking import worker_run
 
 if TYPE_CHECKING:
     from trainer.resource import ModelResource
@@ -98,6 +99,9 @@ class TrainingSession:
         gen = torch.Generator().manual_seed(self.rng_seed)
         self._cpu_rng = gen.get_state()
         self._cuda_rng = [torch.cuda.get_rng_state(i) for i in cuda_devices()]
+        self.tracker = worker_run(
+            self.id, self.spec.metadata.model_dump(), str(self.resource.store.root)
+        )
 
     # -- state -----------------------------------------------------------------------------
 
@@ -167,7 +171,11 @@ class TrainingSession:
         def fn(inputs: LossInputs, _: MicroBatch) -> LossOutputs:
             return compute_loss(loss.type, inputs, params)
 
-        return self._run(prepared, fn, forward_only, return_loss_fn_outputs)
+        result = self._run(prepared, fn, forward_only, return_loss_fn_outputs)
+        if self.tracker is not None and not forward_only:
+            metrics = {f"train/{k}": v for k, v in result["metrics"].items()}
+            self.tracker.log(self.step, {"train/loss": result["loss"], **metrics})
+        return result
 
     def custom_forward_backward(
         self, samples: list[Sample], gradients: list[Gradient]
@@ -335,13 +343,16 @@ class TrainingSession:
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
             self.versions.trainer_step += 1
+        metrics = {
+            "grad_norm": norm,
+            "grad_norm_clipped": clipped,
+            "learning_rate": adam.learning_rate,
+        }
+        if self.tracker is not None:
+            self.tracker.log(self.step, {f"optim/{k}": v for k, v in metrics.items()})
         return {
             "step": self.step,
-            "metrics": {
-                "grad_norm": norm,
-                "grad_norm_clipped": clipped,
-                "learning_rate": adam.learning_rate,
-            },
+            "metrics": metrics,
         }
 
     def _grad_norm(self, grads: list[torch.Tensor]) -> float:
@@ -612,6 +623,9 @@ class TrainingSession:
             for param in self.policy.trainable.values():
                 param.grad = None
             self.policy.close()
+            if self.tracker is not None:
+                self.tracker.finish()
+                self.tracker = None
 
 
 def batch_logprobs(

@@ -13,9 +13,12 @@ run under `<dir>/wandb/offline-run-*`, to upload later with `wandb sync`.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,7 +60,10 @@ def wandb_settings(metadata: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def open_run(
-    metadata: dict[str, Any] | None, config: dict[str, Any], directory: str | None = None
+    metadata: dict[str, Any] | None,
+    config: dict[str, Any],
+    directory: str | None = None,
+    reinit: Literal["finish_previous", "create_new"] = "finish_previous",
 ) -> Run | None:
     """Start (or resume, by `run_id`) the run that `metadata.wandb` names; None if it names none.
 
@@ -81,6 +87,35 @@ def open_run(
         config=config,
         dir=directory,
         resume="allow" if settings.get("run_id") else None,
-        reinit="finish_previous",
+        reinit=reinit,
     )
     return Run(handle)
+
+
+def worker_run(session_id: str, metadata: dict[str, Any] | None, directory: str) -> Run | None:
+    """The worker's own run for a session whose metadata names one (rank 0 only).
+
+    It logs beside the client's run, never into it (two processes cannot share a run): its id is
+    the client's `run_id` + "-worker". Several sessions of one worker each get their own run.
+    A W&B failure (say, online mode without an API key) switches logging off for the session
+    with a warning; training goes on.
+    """
+    settings = wandb_settings(metadata)
+    if settings is None or _rank() != 0:
+        return None
+    if settings.get("run_id"):
+        settings["run_id"] = f"{settings['run_id']}-worker"
+    settings["run_name"] = f"{settings.get('run_name') or session_id} (worker)"
+    try:
+        return open_run(
+            {"wandb": settings}, {"session_id": session_id}, directory, reinit="create_new"
+        )
+    except Exception as exc:  # wandb raises many types (usage, network, auth): all mean "off"
+        log.warning("W&B logging is off for session %s: %s", session_id, exc)
+        return None
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
