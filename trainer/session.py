@@ -100,7 +100,7 @@ class TrainingSession:
         self._cpu_rng = gen.get_state()
         self._cuda_rng = [torch.cuda.get_rng_state(i) for i in cuda_devices()]
         self.tracker = worker_run(
-            self.id, self.spec.metadata.model_dump(), str(self.resource.store.root)
+            self.id, self.spec.metadata.model_dump(), str(getattr(self.resource.store, "root", "."))
         )
 
     # -- state -----------------------------------------------------------------------------
