@@ -73,6 +73,10 @@ def load_base_model(entry: ModelEntry, device: torch.device) -> tuple[Any, Any]:
         attn_implementation=attn,
     )
     model.to(device)  # type: ignore[arg-type]
+    if attn == "sdpa":
+        from trainer.batch import use_packed_sdpa
+
+        use_packed_sdpa(model)  # exact varlen attention for packed samples, plain sdpa otherwise
     model.requires_grad_(False)
     model.eval()
     tokenizer = None

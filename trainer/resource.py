@@ -56,6 +56,12 @@ class ModelResource:
         self.options = options or EngineOptions()
         self.lock = COMPUTE_LOCK
         self.model, self.tokenizer = self._load_model()
+        if self.options.activation_checkpointing:
+            # about -30-40% activation memory for about +25% time; off for tiny models
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+            self.model.enable_input_require_grads()
         self.lora = spec.lora_enabled
         self.has_generator = spec.compute_config.num_generator_replicas > 0
         self.sessions: dict[str, TrainingSession] = {}

@@ -77,6 +77,7 @@ class EngineOptions:
     row_tokens: int = 2048  # packing: tokens per packed row
     token_budget: int = 16384  # tokens per micro-batch
     chunk_tokens: int = 1024  # logprob head chunk
+    activation_checkpointing: bool = False  # recompute decoder layers in the backward
 
 
 @dataclass
@@ -631,14 +632,14 @@ class TrainingSession:
 def batch_logprobs(
     model: Any, batch: MicroBatch, device: torch.device, chunk_tokens: int, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Decoder over the packed rows, then the chunked head at the kept positions."""
-    hidden = model.get_decoder()(
-        input_ids=batch.tokens_R_L.to(device),
-        position_ids=batch.position_ids_R_L.to(device),
-        attention_mask=batch.attention_mask_R_1_L_L.to(device),
-        use_cache=False,
-    ).last_hidden_state
-    hidden_P_H = hidden.reshape(-1, hidden.shape[-1])[batch.keep_index_P.to(device)]
+    """Decoder over the packed rows, then the chunked head at the kept positions.
+
+    With a varlen attention (FlashAttention, or our exact `packed_sdpa` on CPU) the samples go in
+    as one unpadded row; otherwise as padded rows with a block-diagonal causal mask.
+    """
+    inputs, keep_P = batch.decoder_inputs(model.config._attn_implementation, device)
+    hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
+    hidden_P_H = hidden.reshape(-1, hidden.shape[-1])[keep_P]
     return token_logprobs(
         hidden_P_H,
         model.get_output_embeddings(),

@@ -106,3 +106,18 @@ def test_micro_batches_give_the_same_gradient(tiny_qwen_dir, tmp_path, loss_type
     num = sum(float((grads_a[k] - grads_b[k]).norm() ** 2) for k in grads_a) ** 0.5
     den = sum(float(grads_a[k].norm() ** 2) for k in grads_a) ** 0.5
     assert num / den <= 1e-5
+
+
+def test_activation_checkpointing_gives_the_same_gradients(tiny_qwen_dir, tmp_path) -> None:
+    samples = random_batch(11, n=4, lengths=(4, 16), weights="ones")
+    grads = []
+    for checkpointing in (False, True):
+        opts = EngineOptions(activation_checkpointing=checkpointing)
+        resource = make_resource(
+            tiny_qwen_dir, tmp_path / str(checkpointing), lora=False, options=opts
+        )
+        session = resource.create_session("s", SessionSpec())
+        session.forward_backward(LossConfig(type="cross_entropy"), samples)
+        grads.append(grads_of(session))
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-5, rtol=1e-5)

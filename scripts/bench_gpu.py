@@ -1,0 +1,226 @@
+"""GPU throughput: a Qwen3-0.6B-shaped random model, LoRA and full weights, 16k packed tokens, bf16.
+
+    python scripts/bench_gpu.py                  # one CUDA GPU, well under 5 minutes
+    python scripts/bench_gpu.py --grad-ckpt      # with activation checkpointing
+    python scripts/bench_gpu.py --tiny           # CPU smoke check of the same code path
+
+Each mode builds the model from a config (random weights, no download) directly on the device,
+packs mixed-length samples (256–2048 tokens) into one 16,384-token micro-batch, and times
+forward + chunked logprob head + backward + AdamW steps: the engine's own pieces (`pack`,
+`decoder_inputs`, `token_logprobs`), with FlashAttention varlen when `flash_attn` is installed
+and `packed_sdpa` otherwise. MFU = model FLOPs / time / the GPU's dense bf16 peak, with model
+FLOPs = 6·N·T (full) or 4·N·T + 6·N_lora·T (LoRA) + 6·layers·q_dim·Σ sᵢ² (causal attention).
+Prints one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from trainer.batch import PACKED_SDPA, PreparedSample, pack, use_packed_sdpa  # noqa: E402
+from trainer.bench.shapes import ModelShape  # noqa: E402
+from trainer.logprobs import token_logprobs  # noqa: E402
+
+QWEN3_06B = ModelShape(
+    hidden=1024, intermediate=3072, layers=28, heads=16, kv_heads=8, head_dim=128
+)
+TINY = ModelShape(vocab=2048, hidden=64, intermediate=128, layers=2, heads=4, head_dim=16)
+PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "A100": 312.0, "L40S": 362.1}
+
+
+@dataclass
+class Result:
+    mode: str
+    tokens: int
+    step_s: float
+    flops: float
+    peak_mem_gb: float
+
+    def row(self, peak_flops: float) -> str:
+        tflops = self.flops / self.step_s / 1e12
+        mfu = self.flops / self.step_s / peak_flops
+        return (
+            f"| {self.mode} | {self.tokens:,} | {self.step_s * 1e3:.0f} ms | "
+            f"{self.tokens / self.step_s:,.0f} | {tflops:.1f} | {mfu:.1%} | "
+            f"{self.peak_mem_gb:.1f} |"
+        )
+
+
+def peak_flops(device: torch.device, override: float | None) -> float:
+    if override:
+        return override * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, tflops in PEAK_BF16_TFLOPS.items():
+            if key in name:
+                return tflops * 1e12
+        raise SystemExit(f"unknown GPU {name!r}: pass --peak-tflops (dense bf16)")
+    a = torch.randn(1024, 1024, dtype=torch.bfloat16)
+    a @ a
+    start = time.perf_counter()
+    a @ a
+    return 2 * 1024**3 / (time.perf_counter() - start)
+
+
+def lengths_summing_to(total: int, lo: int, hi: int, seed: int = 0) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    out: list[int] = []
+    while sum(out) < total:
+        out.append(int(torch.randint(lo, hi + 1, (), generator=gen)))
+    out[-1] -= sum(out) - total
+    if out[-1] < 2:
+        out[-2] += out.pop()
+    return out
+
+
+def build(shape: ModelShape, device: torch.device, lora_rank: int | None) -> tuple[Any, str]:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        tie_word_embeddings=shape.tied,
+        max_position_embeddings=40960,
+    )
+    attn = "sdpa"
+    if device.type == "cuda":
+        try:
+            import flash_attn  # noqa: F401
+
+            attn = "flash_attention_2"
+        except ImportError:
+            pass
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.bfloat16, attn_implementation=attn
+        )
+    if attn == "sdpa":
+        use_packed_sdpa(model)
+        attn = PACKED_SDPA
+    if lora_rank is not None:
+        from peft import LoraConfig, get_peft_model
+
+        peft_config = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear")
+        model = get_peft_model(model, peft_config).base_model.model
+    model.train()
+    return model, attn
+
+
+def run_mode(
+    shape: ModelShape,
+    device: torch.device,
+    tokens: int,
+    lora_rank: int | None,
+    steps: int,
+    warmup: int,
+    grad_ckpt: bool,
+    chunk_tokens: int,
+) -> Result:
+    model, attn = build(shape, device, lora_rank)
+    if grad_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if lora_rank is not None:
+            model.enable_input_require_grads()
+    lengths = lengths_summing_to(tokens, min(256, tokens // 4), min(2048, tokens // 2))
+    gen = torch.Generator().manual_seed(1)
+    samples = []
+    for i, n in enumerate(lengths):
+        seq = torch.randint(0, shape.vocab, (n + 1,), generator=gen)
+        samples.append(PreparedSample(i, seq[:-1], seq[1:], torch.ones(n)))
+    (micro,) = pack(samples, row_tokens=tokens, token_budget=tokens)
+    inputs, keep = micro.decoder_inputs(attn, device)
+    targets = micro.targets_P.to(device)
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
+
+    def step() -> None:
+        hidden = decoder(**inputs, use_cache=False).last_hidden_state
+        hidden_P_H = hidden.reshape(-1, hidden.shape[-1])[keep]
+        logprobs, _ = token_logprobs(hidden_P_H, head, targets, chunk_tokens=chunk_tokens)
+        (-logprobs.mean()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(warmup):
+        step()
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    step_s = (time.perf_counter() - start) / steps
+    memory = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0
+    counts = shape.params()
+    n_matmul = counts["decoder"] + shape.vocab * shape.hidden
+    n_lora = sum(p.numel() for p in params) if lora_rank is not None else 0
+    dense = (4 * n_matmul + 6 * n_lora) if lora_rank is not None else 6 * n_matmul
+    attention = 6 * shape.layers * shape.heads * shape.head_dim * sum(n * n for n in lengths)
+    mode = f"LoRA r{lora_rank}" if lora_rank is not None else "full"
+    if grad_ckpt:
+        mode += " + act. ckpt"
+    return Result(mode, tokens, step_s, float(dense * tokens + attention), memory)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny model on CPU: a smoke check")
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--lora-rank", type=int, default=32)
+    parser.add_argument("--chunk-tokens", type=int, default=4096)
+    parser.add_argument("--grad-ckpt", action="store_true")
+    parser.add_argument("--peak-tflops", type=float, help="dense bf16 peak of this GPU")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        device, shape = torch.device("cpu"), TINY
+        tokens, steps, warmup = min(args.tokens, 512), 1, 1
+    else:
+        if not torch.cuda.is_available():
+            print("bench_gpu: no CUDA device (use --tiny for a CPU smoke check)", file=sys.stderr)
+            return 2
+        device, shape = torch.device("cuda"), QWEN3_06B
+        tokens, steps, warmup = args.tokens, args.steps, args.warmup
+    peak = peak_flops(device, args.peak_tflops)
+    results = []
+    for rank in (None, args.lora_rank):
+        mode_args = (steps, warmup, args.grad_ckpt, args.chunk_tokens)
+        results.append(run_mode(shape, device, tokens, rank, *mode_args))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the previous mode's model is gone once run_mode returns
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (tiny)"
+    print(f"{name}; {shape.describe()}; bf16; peak {peak / 1e12:.1f} TFLOP/s")
+    print("| mode | tokens | step | tokens/s | TFLOP/s | MFU | peak GPU mem (GB) |")
+    print("|---|---|---|---|---|---|---|")
+    for result in results:
+        print(result.row(peak))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,96 @@
+"""Padding-free packing against the padded layout, through a real tiny decoder."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.engine.helpers import random_batch
+from trainer.batch import pack, prepare_samples
+from trainer.logprobs import token_logprobs
+
+
+def _logprobs(model, inputs: dict[str, torch.Tensor], keep: torch.Tensor, targets: torch.Tensor):
+    hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
+    hidden_P_H = hidden.reshape(-1, hidden.shape[-1])[keep]
+    return token_logprobs(hidden_P_H, model.get_output_embeddings(), targets, chunk_tokens=7)[0]
+
+
+def test_packed_and_padded_logprobs_are_equal(tiny_model_dir) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    samples = random_batch(5, n=7, lengths=(2, 30), mask="mask")
+    prepared = prepare_samples(samples, vocab_size=128, max_seq_length=64, max_batch_size=16)
+    # padded: one sample per row, right-padded, 2D padding mask
+    width = max(s.length for s in prepared)
+    ids = torch.zeros(len(prepared), width, dtype=torch.long)
+    mask = torch.zeros(len(prepared), width, dtype=torch.long)
+    keep, targets = [], []
+    for r, s in enumerate(prepared):
+        ids[r, : s.length] = s.tokens_T
+        mask[r, : s.length] = 1
+        kept = torch.nonzero(s.mask_T != 0).squeeze(-1)
+        keep.append(r * width + kept)
+        targets.append(s.targets_T[kept])
+    with torch.no_grad():
+        padded = _logprobs(
+            model, {"input_ids": ids, "attention_mask": mask}, torch.cat(keep), torch.cat(targets)
+        )
+        packed = []
+        for micro in pack(prepared, row_tokens=40, token_budget=60):
+            inputs = {
+                "input_ids": micro.tokens_R_L,
+                "position_ids": micro.position_ids_R_L,
+                "attention_mask": micro.attention_mask_R_1_L_L,
+            }
+            packed.append(_logprobs(model, inputs, micro.keep_index_P, micro.targets_P))
+    # micro-batches list samples in index order, as the padded layout does
+    torch.testing.assert_close(torch.cat(packed), padded, atol=1e-5, rtol=0)
+
+
+def test_packed_sdpa_equals_block_mask_with_gradients(tiny_model_dir) -> None:
+    """The varlen fallback (`packed_sdpa`, one unpadded row) equals the dense block-diagonal
+    mask, values and gradients, within 1e-5."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.batch import PACKED_SDPA, is_varlen, use_packed_sdpa
+
+    samples = random_batch(6, n=6, lengths=(1, 25), mask="mask")
+    prepared = prepare_samples(samples, vocab_size=128, max_seq_length=64, max_batch_size=16)
+    (micro,) = pack(prepared, row_tokens=32, token_budget=1000)
+    assert len(micro.row_lengths) > 1 and is_varlen(PACKED_SDPA) and not is_varlen("sdpa")
+    results = []
+    for impl in ("sdpa", PACKED_SDPA):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        if impl == PACKED_SDPA:
+            use_packed_sdpa(model)
+        inputs, keep = micro.decoder_inputs(impl)
+        assert ("attention_mask" in inputs) == (impl == "sdpa")
+        lp = _logprobs(model, inputs, keep, micro.targets_P)
+        lp.sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((lp.detach(), grads))
+    (lp_a, grads_a), (lp_b, grads_b) = results
+    torch.testing.assert_close(lp_b, lp_a, atol=1e-5, rtol=0)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], atol=1e-5, rtol=1e-5)
+
+
+def test_packed_sdpa_leaves_padded_batches_and_generation_unchanged(tiny_model_dir) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from trainer.batch import use_packed_sdpa
+
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    packed = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    use_packed_sdpa(packed)
+    ids = torch.tensor([[0, 0, 5, 9, 17, 3], [4, 8, 15, 16, 23, 42]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        a = plain(input_ids=ids, attention_mask=mask).logits
+        b = packed(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(b[mask.bool()], a[mask.bool()], atol=1e-5, rtol=0)
+    prompt = torch.tensor([[3, 17, 42, 9]])
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(packed.generate(prompt, **kwargs), plain.generate(prompt, **kwargs))

@@ -1,0 +1,24 @@
+"""`python -m trainer.bench.child ARM PARAMS_JSON`: run one arm, print its measurement."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def main() -> None:
+    from trainer.bench.arms import ARMS
+    from trainer.bench.harness import RESULT_PREFIX, mark_base
+
+    arm, params = sys.argv[1], json.loads(sys.argv[2])
+    mark_base()
+    result = ARMS[arm](params)
+    print(RESULT_PREFIX + json.dumps(result.to_json()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
