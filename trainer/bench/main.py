@@ -36,11 +36,11 @@ NOTES = """Notes on method and on the rows:
 - Row 3: model FLOPs only (6·N·T + attention; the head's recompute is not counted), divided
   by the best of three 2048³ fp32 matmuls measured in the same process between steps.
 - Row 4: "packed" is `pack` fed as one unpadded row to `packed_sdpa` (per-sample causal SDPA,
-  the exact CPU stand-in for FlashAttention varlen; `trainer/batch.py`). The engine's session
-  still feeds rows of 2048 with the dense block-diagonal mask (detail line: 0.46x–1.22x the
-  padded speed across runs, attention over the whole row): the session must switch to
-  `MicroBatch.decoder_inputs` to get the packed figure. Both arms drop masked positions
-  before the head, so only the decoder differs; the row uses a decoder-dominated shape.
+  the exact CPU stand-in for FlashAttention varlen; `trainer/batch.py`), which is what the
+  engine's session runs (`MicroBatch.decoder_inputs`). The detail line shows the alternative
+  it replaced: rows of 2048 with a dense block-diagonal mask (0.46x–1.22x the padded speed
+  across runs: attention over the whole row). Both arms drop masked positions before the
+  head, so only the decoder differs; the row uses a decoder-dominated shape.
 - Row 6: a checkpoint copies the weights and AdamW moments out under the session lock,
   serialises them with safetensors, fsyncs and sha256-hashes every file (overlapped, in
   threads) and fsyncs the directories and the catalogue before it is listed; the raw arm is

@@ -239,7 +239,7 @@ def row_packing(ctx: Context) -> RowResult:
         [
             f"packed, varlen `packed_sdpa` {rate(packed)}; padded, 2D mask {rate(padded)}",
             f"packed rows of {base['row_tokens']} with the dense block-diagonal mask (what "
-            f"session.py feeds today): {rate(masked)}, {padded.median / masked.median:.2f}x "
+            f"the previous session path): {rate(masked)}, {padded.median / masked.median:.2f}x "
             "padded",
         ],
     )
