@@ -309,6 +309,12 @@ class ModelEntry(StrictSpec):
     max_seq_length: int = Field(default=4096, ge=2, description="tokens per sample")
     max_lora_rank: int = Field(default=64, ge=1)
     max_batch_size: int = Field(default=256, ge=1, description="samples per call")
+    max_tokens_per_call: int = Field(
+        default=1 << 20,
+        ge=1,
+        description="tokens in one call: all samples of a forward-backward, or prompts plus "
+        "max_tokens for every sequence of a sample call",
+    )
     trust_remote_code: bool = False
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 

@@ -3,8 +3,10 @@
 Modules, from the edge inward:
 - `app`: the FastAPI app (routers under `/v1`, auth, error bodies, lifespan/SIGTERM drain);
 - `routes_resources`, `routes_sessions`, `routes_ops`: the endpoints of the contract's Part A;
-- `auth`, `signing`, `errors`, `requests`, `wire`: token check, signed URLs, error bodies,
-  request validation, response shapes;
+- `auth`, `signing`, `ids`, `errors`, `requests`, `wire`: token check, signed URLs, safe path
+  ids, error bodies, request validation and limits, response shapes;
+- `openapi`: the raw-JSON request bodies described in the served schema;
+- `checkpoint_errors`: storage failures of checkpoint writes as operation errors;
 - `worker`, `resources`, `ops`, `payloads`, `store`: lifecycles, per-session FIFO queues,
   large-payload files and the SQLite catalogue;
 - `engine`: the protocols the engine (`trainer.resource` / `trainer.session`) satisfies;

@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from trainer.api import routes_ops, routes_resources, routes_sessions
 from trainer.api.auth import BearerAuth
 from trainer.api.errors import install_handlers
+from trainer.api.ids import check_path_ids
 from trainer.api.signing import UrlSigner
 from trainer.api.worker import Worker
 
@@ -66,16 +67,29 @@ def create_app(worker: Worker, token: str | None) -> FastAPI:
             log.info("shutting down: draining operations (grace %.0fs)", grace)
             await run_in_threadpool(worker.shutdown, grace)
 
-    app = FastAPI(title="trainer worker", version="1", lifespan=lifespan)
+    # No open /openapi.json or /docs: the schema is served at /v1/openapi.json behind the token.
+    app = FastAPI(
+        title="trainer worker",
+        version="1",
+        lifespan=lifespan,
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+    )
     app.state.worker = worker
     app.state.signer = UrlSigner(ttl_s=worker.config.signed_url_ttl_s)
     install_handlers(app)
     app.add_middleware(DoubleVersionPrefix)
-    auth = [Depends(BearerAuth(token))]
+    auth = [Depends(BearerAuth(token)), Depends(check_path_ids)]
     for module in (routes_resources, routes_sessions, routes_ops):
         app.include_router(module.router, prefix="/v1", dependencies=auth)
-    app.include_router(routes_resources.files_router)
-    app.include_router(routes_sessions.files_router)
+    files = [Depends(check_path_ids)]
+    app.include_router(routes_resources.files_router, dependencies=files)
+    app.include_router(routes_sessions.files_router, dependencies=files)
+
+    @app.get("/v1/openapi.json", include_in_schema=False, dependencies=auth)
+    async def openapi() -> dict[str, Any]:
+        return app.openapi()
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:

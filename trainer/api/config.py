@@ -60,6 +60,10 @@ class ServeConfig(StrictSpec):
     shutdown_grace_s: float = Field(
         default=30.0, ge=0, description="on SIGTERM, how long the running operation may finish"
     )
+    resume_roots: list[Path] = Field(
+        default_factory=list,
+        description="local directories besides `storage` that resume_from_hf_checkpoint may read",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:

@@ -67,7 +67,8 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_inp
 
 
 def not_found(kind: str, ident: str, param: str | None = None) -> ApiError:
-    return ApiError(404, f"{kind} {ident!r} not found", param=param, code="not_found")
+    prefix = f"{param}: " if param else ""
+    return ApiError(404, f"{prefix}{kind} {ident!r} not found", param=param, code="not_found")
 
 
 def failed_precondition(message: str, param: str | None = None) -> ApiError:
@@ -105,11 +106,11 @@ def from_validation(errors: Sequence[Any], prefix: str = "") -> ApiError:
     if not path and (match := _LEADING_FIELD.match(message)):
         path = match.group(1)
     if first.get("type") == "json_invalid":
-        return bad_request(f"request body is not valid JSON: {message}", None, "invalid_json")
+        return bad_request(f"request body is not valid JSON: {message}", "body", "invalid_json")
     text = f"{path}: {message}" if named else message
     if len(errors) > 1:
         text += f" (and {len(errors) - 1} more error(s))"
-    return bad_request(text, path or None)
+    return bad_request(text, path or "body")
 
 
 def from_pydantic(exc: ValidationError, prefix: str = "") -> ApiError:
@@ -128,7 +129,8 @@ def install_handlers(app: FastAPI) -> None:
     async def on_http(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return ApiError(exc.status_code, str(exc.detail), code=code).response()
+        param = {400: "body", 404: "path", 405: "method"}.get(exc.status_code)
+        return ApiError(exc.status_code, str(exc.detail), param=param, code=code).response()
 
     app.add_exception_handler(ApiError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)

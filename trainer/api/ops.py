@@ -111,6 +111,8 @@ class SessionQueue:
                 self.running = job
             try:
                 self._finish(job)
+            except Exception:  # e.g. the catalogue's disk is full: keep serving the session
+                log.exception("session %s: recording op %s failed", self.session_id, job.op_id)
             finally:
                 with self._lock:
                     self.running = None

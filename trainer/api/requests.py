@@ -133,6 +133,13 @@ def check_samples(
             f"of {entry.name}",
             "samples",
         )
+    total = sum(len(sample.model_input.tokens) for sample in samples)
+    if total > entry.max_tokens_per_call:
+        raise bad_request(
+            f"samples: {total} tokens in all exceed max_tokens_per_call "
+            f"{entry.max_tokens_per_call} of {entry.name}; split the call",
+            "samples",
+        )
     for i, sample in enumerate(samples):
         where = f"samples[{i}]"
         tokens = sample.model_input.tokens
@@ -194,10 +201,35 @@ def check_custom(body: CustomForwardBackwardBody, entry: ModelEntry) -> None:
 
 
 def check_sample(body: SampleBody, entry: ModelEntry) -> None:
+    """Sequence count, `max_tokens` and the call's token total against the model's limits."""
+    prompts, n = len(body.model_inputs), body.num_samples
+    if prompts * n > entry.max_batch_size:
+        field = "num_samples" if n > 1 else "model_inputs"
+        raise bad_request(
+            f"{field}: {prompts} prompt(s) x {n} sample(s) = {prompts * n} sequences exceed "
+            f"max_batch_size {entry.max_batch_size} of {entry.name}",
+            field,
+        )
+    max_tokens = body.sampling_params.max_tokens
+    if max_tokens >= entry.max_seq_length:
+        raise bad_request(
+            f"sampling_params.max_tokens: {max_tokens} must be below the context length "
+            f"{entry.max_seq_length} of {entry.name}",
+            "sampling_params.max_tokens",
+        )
+    total = n * sum(len(m.tokens) + max_tokens for m in body.model_inputs)
+    if total > entry.max_tokens_per_call:
+        raise bad_request(
+            f"sampling_params.max_tokens: {prompts} prompt(s) x {n} sample(s) reach {total} "
+            f"tokens, over max_tokens_per_call {entry.max_tokens_per_call} of {entry.name}",
+            "sampling_params.max_tokens",
+        )
     for i, model_input in enumerate(body.model_inputs):
         tokens = model_input.tokens
         if not tokens:
             raise bad_request(f"model_inputs[{i}]: no tokens", f"model_inputs[{i}]")
+        if min(tokens) < 0:
+            raise bad_request(f"model_inputs[{i}]: negative token id", f"model_inputs[{i}]")
         total = len(tokens) + body.sampling_params.max_tokens
         if total > entry.max_seq_length:
             raise bad_request(

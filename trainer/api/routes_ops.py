@@ -1,10 +1,12 @@
 """The seven session operations: `POST .../operations/<kind>` and `GET .../<kind>/{id}`.
 
+One route pair per kind, so the OpenAPI schema carries each kind's body (`trainer.api.openapi`).
 POST order: session exists (404) -> `Idempotency-Key` present (400) -> body read (413) ->
 key seen before? same body: the original operation; other body: 409 -> payload merged
 (`payload_id`) -> body validated against the model's limits (400 naming the field) ->
 queued on the session (FIFO). The answer waits `op_inline_wait_s` so quick operations come
-back already COMPLETED; otherwise the client polls the GET.
+back already COMPLETED; otherwise the client polls the GET. A checkpoint write that fails on
+storage FAILs the operation with a clear code (`trainer.api.checkpoint_errors`).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ValidationError
 
-from trainer.api.engine import EngineSession
-from trainer.api.errors import ApiError, bad_request, from_pydantic, not_found
+from trainer.api.checkpoint_errors import save_checkpoint
+from trainer.api.errors import ApiError, bad_request, from_pydantic
+from trainer.api.openapi import json_body
 from trainer.api.requests import (
     CustomForwardBackwardBody,
     EmptyBody,
@@ -36,11 +39,12 @@ from trainer.api.requests import (
 )
 from trainer.api.state import json_object, worker_of
 from trainer.api.store import OperationRow, ResourceRow
-from trainer.api.wire import operation_json, training_checkpoint_json
+from trainer.api.wire import operation_json
 from trainer.api.worker import EngineCall, Worker
 from trainer.specs import AdamParams, ModelEntry
 
 router = APIRouter()
+MAX_KEY_LENGTH = 256
 
 
 @dataclass(frozen=True)
@@ -82,17 +86,11 @@ def _sample(b: SampleBody) -> EngineCall:
 
 
 def _training_checkpoint(_: EmptyBody) -> EngineCall:
-    def call(s: EngineSession) -> dict[str, Any]:
-        return {"checkpoint": training_checkpoint_json(s.save_training_checkpoint())}
-
-    return call
+    return lambda s: save_checkpoint(s.save_training_checkpoint)
 
 
 def _inference_checkpoint(_: EmptyBody) -> EngineCall:
-    def call(s: EngineSession) -> dict[str, Any]:
-        return {"checkpoint": training_checkpoint_json(s.save_inference_checkpoint())}
-
-    return call
+    return lambda s: save_checkpoint(s.save_inference_checkpoint)
 
 
 KINDS: dict[str, OpKind] = {
@@ -104,13 +102,6 @@ KINDS: dict[str, OpKind] = {
     "training-checkpoint": OpKind(EmptyBody, _training_checkpoint),
     "inference-checkpoint": OpKind(EmptyBody, _inference_checkpoint),
 }
-
-
-def _kind(kind: str) -> OpKind:
-    spec = KINDS.get(kind)
-    if spec is None:
-        raise not_found("operation kind", kind)
-    return spec
 
 
 def body_hash(kind: str, body: dict[str, Any]) -> str:
@@ -145,10 +136,17 @@ def _prepare(worker: Worker, session_id: str, kind: str, body: dict[str, Any]) -
     return spec.call(parsed)
 
 
-@router.post("/rl/training-sessions/{session_id}/operations/{kind}")
+IDEMPOTENCY_HEADER = {
+    "name": "Idempotency-Key",
+    "in": "header",
+    "required": True,
+    "description": "unique per request; a retry reuses it and gets the original operation",
+    "schema": {"type": "string", "minLength": 1, "maxLength": MAX_KEY_LENGTH},
+}
+
+
 async def create_operation(request: Request, session_id: str, kind: str) -> dict[str, Any]:
     worker = worker_of(request)
-    _kind(kind)
     worker.session(session_id)
     key = request.headers.get("idempotency-key", "").strip()
     if not key:
@@ -157,6 +155,10 @@ async def create_operation(request: Request, session_id: str, kind: str) -> dict
             "UUID; retries reuse it)",
             "Idempotency-Key",
             "missing_idempotency_key",
+        )
+    if len(key) > MAX_KEY_LENGTH:
+        raise bad_request(
+            f"Idempotency-Key: at most {MAX_KEY_LENGTH} characters", "Idempotency-Key"
         )
     body = await json_object(request, worker.config.max_body_bytes)
     digest = body_hash(kind, body)
@@ -188,11 +190,30 @@ async def _wait_briefly(worker: Worker, row: OperationRow) -> OperationRow:
     return worker.find_operation(row.session_id, row.kind, row.id)
 
 
-@router.get("/rl/training-sessions/{session_id}/operations/{kind}/{operation_id}")
 async def get_operation(
     request: Request, session_id: str, kind: str, operation_id: str
 ) -> dict[str, Any]:
     worker = worker_of(request)
-    _kind(kind)
     worker.session(session_id)
     return operation_json(worker.find_operation(session_id, kind, operation_id))
+
+
+def _routes(kind: str, spec: OpKind) -> None:
+    """One POST and one GET per kind, so the OpenAPI schema names each kind's body."""
+
+    async def post(request: Request, session_id: str) -> dict[str, Any]:
+        return await create_operation(request, session_id, kind)
+
+    async def poll(request: Request, session_id: str, operation_id: str) -> dict[str, Any]:
+        return await get_operation(request, session_id, kind, operation_id)
+
+    name = kind.replace("-", "_")
+    base = f"/rl/training-sessions/{{session_id}}/operations/{kind}"
+    extra = json_body(spec.body, required=spec.body is not EmptyBody)
+    extra["parameters"] = [IDEMPOTENCY_HEADER]
+    router.add_api_route(base, post, methods=["POST"], name=f"create_{name}", openapi_extra=extra)
+    router.add_api_route(f"{base}/{{operation_id}}", poll, methods=["GET"], name=f"get_{name}")
+
+
+for _kind_name, _spec in KINDS.items():
+    _routes(_kind_name, _spec)

@@ -134,7 +134,7 @@ async def list_checkpoints(
 async def get_checkpoint(request: Request, checkpoint_id: str) -> dict[str, Any]:
     record = worker_of(request).checkpoints.get(checkpoint_id)
     if record is None:
-        raise not_found("checkpoint", checkpoint_id, "id")
+        raise not_found("checkpoint", checkpoint_id, "checkpoint_id")
     return checkpoint_json(record)
 
 
@@ -147,7 +147,7 @@ async def download_checkpoint(
     if variant not in allowed:
         raise bad_request(f"variant: required, one of {list(allowed)}; got {variant!r}", "variant")
     if worker.checkpoints.get(checkpoint_id) is None:
-        raise not_found("checkpoint", checkpoint_id, "id")
+        raise not_found("checkpoint", checkpoint_id, "checkpoint_id")
     short = str(variant).removeprefix("CHECKPOINT_VARIANT_")
     try:
         files = worker.checkpoints.files(checkpoint_id, short)
@@ -182,8 +182,10 @@ async def checkpoint_file(
     try:
         files = dict(worker_of(request).checkpoints.files(checkpoint_id, variant))
     except KeyError:
-        raise not_found("checkpoint file", f"{checkpoint_id}/{variant}/{filename}") from None
+        raise not_found(
+            "checkpoint file", f"{checkpoint_id}/{variant}/{filename}", "filename"
+        ) from None
     path = files.get(filename)
     if path is None:
-        raise not_found("checkpoint file", f"{checkpoint_id}/{variant}/{filename}")
+        raise not_found("checkpoint file", f"{checkpoint_id}/{variant}/{filename}", "filename")
     return FileResponse(path, media_type="application/octet-stream", filename=filename)

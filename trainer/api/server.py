@@ -26,6 +26,7 @@ from trainer.api.config import ServeConfig, is_loopback
 from trainer.api.errors import ApiError
 from trainer.api.requests import CreateResourceBody, CreateSessionBody
 from trainer.api.resources import Loader
+from trainer.api.signing import RedactSignatures
 from trainer.api.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -139,5 +140,6 @@ def serve(config: ServeConfig, log_level: str = "info", loader: Loader | None = 
         "on" if token else "off",
     )
     server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level))
+    logging.getLogger("uvicorn.access").addFilter(RedactSignatures())
     server.run()
     return 0

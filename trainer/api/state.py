@@ -29,7 +29,7 @@ def verify_signed(request: Request, method: str) -> None:
         method, request.url.path, query.get("expires"), query.get("sig")
     )
     if reason is not None:
-        raise ApiError(403, f"signed URL refused: {reason}", code="invalid_signature")
+        raise ApiError(403, f"signed URL refused: {reason}", param="sig", code="invalid_signature")
 
 
 def parse_limit(raw: str | None, default: int = 20) -> int:
@@ -59,6 +59,7 @@ async def read_body(request: Request, limit: int) -> bytes:
             413,
             f"request body of {declared} bytes exceeds {limit}; large bodies go through "
             "payloads/upload-url (the SDK does this above 0.5 MiB)",
+            param="body",
             code="request_too_large",
         )
     chunks: list[bytes] = []
@@ -66,7 +67,9 @@ async def read_body(request: Request, limit: int) -> bytes:
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise ApiError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+            raise ApiError(
+                413, f"request body exceeds {limit} bytes", param="body", code="request_too_large"
+            )
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -78,7 +81,9 @@ async def json_object(request: Request, limit: int) -> dict[str, Any]:
     try:
         value = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}", None, "invalid_json") from None
+        raise bad_request(
+            f"request body is not valid JSON: {exc}", "body", "invalid_json"
+        ) from None
     if not isinstance(value, dict):
-        raise bad_request("request body must be a JSON object", None, "invalid_json")
+        raise bad_request("request body must be a JSON object", "body", "invalid_json")
     return value

@@ -8,7 +8,6 @@ Blocking calls (engine work, joins) are made from worker threads, never the even
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 import uuid
@@ -20,6 +19,7 @@ from typing import Any
 from trainer.api.config import ServeConfig
 from trainer.api.engine import EngineResource, EngineSession, load_resource
 from trainer.api.errors import bad_request, failed_precondition, not_found
+from trainer.api.ids import SAFE_ID, check_resume_location, is_safe_id
 from trainer.api.ops import Job, OperationLog, SessionQueue
 from trainer.api.payloads import PayloadStore, offload_result
 from trainer.api.requests import CreateSessionBody, check_lora, merge_metadata
@@ -47,13 +47,12 @@ from trainer.specs import LoraConfig, ResourceSpec, SessionSpec
 log = logging.getLogger(__name__)
 
 EngineCall = Callable[[EngineSession], dict[str, Any]]
-_IDENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def _check_ident(ident: str | None) -> None:
     """Caller-chosen ids (preloads) become file names: keep them to a safe alphabet."""
-    if ident is not None and not _IDENT.match(ident):
-        raise bad_request(f"id: {ident!r} must match {_IDENT.pattern}", "id")
+    if ident is not None and not is_safe_id(ident):
+        raise bad_request(f"id: {ident!r} must match {SAFE_ID.pattern}", "id")
 
 
 @dataclass
@@ -178,6 +177,9 @@ class Worker:
             raise not_found(
                 "checkpoint", body.resume_from_checkpoint_id, "resume_from_checkpoint_id"
             )
+        if body.resume_from_hf_checkpoint:
+            roots = [self.config.storage, *self.config.resume_roots]
+            check_resume_location(body.resume_from_hf_checkpoint, roots)
         _check_ident(ident)
         if ident is not None and self.store.get(SessionRow, ident) is not None:
             raise failed_precondition(f"training session {ident!r} already exists", "id")

@@ -1,0 +1,112 @@
+"""SIGTERM while the worker computes or writes a checkpoint: it finishes the running operation
+(or abandons it cleanly once `shutdown_grace_s` has passed), fails the queued ones, flushes its
+catalogue and exits 0 within a bounded time; after a restart the session shows STOPPED and the
+operations show what really happened."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.faults.procs import (
+    COMPLETED,
+    FAILED,
+    ce_batch,
+    forked_worker,
+    new_resource,
+    new_session,
+    post_op,
+    terminate,
+)
+
+KINDS = {"tiny-qwen": "lora", "tiny-llama": "full"}
+
+
+def _wait_running(http: httpx.Client, sid: str, kind: str, op_id: str) -> None:
+    url = f"/rl/training-sessions/{sid}/operations/{kind}/{op_id}"
+    deadline = time.monotonic() + 60
+    while http.get(url).json()["status"] != "TRAINING_OPERATION_STATUS_RUNNING":
+        assert time.monotonic() < deadline, "the operation never started"
+        time.sleep(0.01)
+
+
+def _start(tmp_path: Path, models: dict[str, Path], grace: float, name: str) -> tuple:
+    config = tmp_path / f"{name}.toml"
+    config.write_text(f"shutdown_grace_s = {grace}\nop_inline_wait_s = 0\n")
+    return (tmp_path / "storage", models, tmp_path / f"{name}.log", "--config", str(config))
+
+
+@pytest.mark.parametrize(
+    ("grace", "samples", "finishes"),
+    [(30.0, 12, True), (1.0, 64, False)],
+    ids=["finishes-within-grace", "abandoned-after-grace"],
+)
+def test_sigterm_during_forward_backward(
+    tiny_qwen_dir: Path, tmp_path: Path, grace: float, samples: int, finishes: bool
+) -> None:
+    models = {"tiny-qwen": tiny_qwen_dir}
+    storage, _, log, *extra = _start(tmp_path, models, grace, "first")
+    with forked_worker(storage, models, log, *extra) as worker, worker.client() as http:
+        sid = new_session(http, new_resource(http, "tiny-qwen"), lora_config={"rank": 4})
+        running = post_op(http, sid, "forward-backward", ce_batch(1, samples, 512))
+        queued = post_op(http, sid, "optim-step", {})
+        _wait_running(http, sid, "forward-backward", running["id"])
+        code, took = terminate(worker)
+    assert code == 0, worker.log()
+    assert took < grace + 20, f"exit took {took:.1f}s with a grace of {grace}s"
+    assert "worker stopped" in worker.log()
+
+    with forked_worker(storage, models, tmp_path / "second.log") as again, again.client() as http:
+        session = http.get(f"/rl/training-sessions/{sid}").json()
+        assert session["status"] == "TRAINING_SESSION_STATUS_STOPPED"
+        assert session["step"] == 0
+        fb = http.get(f"/rl/training-sessions/{sid}/operations/forward-backward/{running['id']}")
+        assert fb.json()["status"] == (COMPLETED if finishes else FAILED), fb.json()
+        if not finishes:
+            assert "shut down" in fb.json()["error"]["message"]
+        step = http.get(f"/rl/training-sessions/{sid}/operations/optim-step/{queued['id']}")
+        assert step.json()["status"] == FAILED  # queued behind it: never started
+        assert step.json()["error"]["code"].endswith("SESSION_NOT_ACTIVE")
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen", "tiny-llama"])
+def test_sigterm_during_checkpoint_writes(
+    tiny_qwen_dir: Path, tiny_llama_dir: Path, tmp_path: Path, model: str
+) -> None:
+    """Several checkpoint writes queued, SIGTERM lands in the first: it completes (listed and
+    complete) and the rest fail; nothing partial is listed after the restart."""
+    models = {"tiny-qwen": tiny_qwen_dir, "tiny-llama": tiny_llama_dir}
+    storage, _, log, *extra = _start(tmp_path, models, 30.0, "first")
+    lora = KINDS[model] == "lora"
+    with forked_worker(storage, models, log, *extra) as worker, worker.client() as http:
+        rid = new_resource(http, model, lora_enabled=lora)
+        sid = new_session(http, rid, **({"lora_config": {"rank": 4}} if lora else {}))
+        kinds = ["training-checkpoint", "inference-checkpoint"] * 3
+        ops = [(kind, post_op(http, sid, kind)["id"]) for kind in kinds]
+        code, took = terminate(worker)
+    assert code == 0, worker.log()
+    assert took < 30
+
+    with forked_worker(storage, models, tmp_path / "second.log") as again, again.client() as http:
+        assert not list((storage / "tmp").iterdir())
+        session = http.get(f"/rl/training-sessions/{sid}").json()
+        assert session["status"] == "TRAINING_SESSION_STATUS_STOPPED"
+        listed = {
+            c["id"] for c in http.get("/rl/checkpoints", params={"limit": 100}).json()["data"]
+        }
+        assert listed == {p.name for p in (storage / "checkpoints").iterdir()}
+        done = 0
+        for kind, op_id in ops:
+            op = http.get(f"/rl/training-sessions/{sid}/operations/{kind}/{op_id}").json()
+            assert op["status"] in (COMPLETED, FAILED), op
+            if op["status"] == COMPLETED:
+                done += 1
+                assert op["output"]["checkpoint"]["id"] in listed
+        assert done == len(listed)
+        rid = new_resource(http, model, lora_enabled=lora)
+        for ckpt in sorted(listed):  # each one that is listed resumes
+            resumed = new_session(http, rid, resume_from_checkpoint_id=ckpt)
+            assert http.post(f"/rl/training-sessions/{resumed}/stop").status_code == 200
