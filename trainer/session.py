@@ -523,7 +523,6 @@ class TrainingSession:
             rng = {"cpu": self._cpu_rng.clone()}
             rng.update({f"cuda{i}": s.clone() for i, s in enumerate(self._cuda_rng)})
             state = self._state_json()
-        store = self.resource.store
 
         def writer(out: Path) -> None:
             save_file(weights, str(out / "weights.safetensors"))
@@ -531,15 +530,7 @@ class TrainingSession:
             save_file(rng, str(out / "rng.safetensors"))
             write_json(out / "state.json", state)
 
-        record = store.write(
-            type=TRAINING,
-            session_id=self.id,
-            step=self.step,
-            base_model=self.resource.entry.name,
-            lora_rank=self._lora_rank(),
-            writer=writer,
-            meta={"kind": self.policy.kind},
-        )
+        record = self._store(TRAINING, writer)
         self.training_checkpoints.append(record)
         return record
 
@@ -556,17 +547,21 @@ class TrainingSession:
             write_json(out / "state.json", state)
 
         with self._running():
-            record = self.resource.store.write(
-                type=INFERENCE,
-                session_id=self.id,
-                step=self.step,
-                base_model=self.resource.entry.name,
-                lora_rank=self._lora_rank(),
-                writer=writer,
-                meta={"kind": self.policy.kind},
-            )
+            record = self._store(INFERENCE, writer)
         self.inference_checkpoints.append(record)
         return record
+
+    def _store(self, kind: str, writer: Callable[[Path], None], **meta: Any) -> CheckpointRecord:
+        """Write a checkpoint of this session atomically and list it in the catalogue."""
+        return self.resource.store.write(
+            type=kind,
+            session_id=self.id,
+            step=self.step,
+            base_model=self.resource.entry.name,
+            lora_rank=self._lora_rank(),
+            writer=writer,
+            meta={"kind": self.policy.kind, **meta},
+        )
 
     def _lora_rank(self) -> int | None:
         config = getattr(self.policy, "config", None)

@@ -311,15 +311,7 @@ class ShardedSession(TrainingSession):
                 write_json(out / "state.json", state)
             comm.barrier()
 
-        record = self.resource.store.write(
-            type=TRAINING,
-            session_id=self.id,
-            step=self.step,
-            base_model=self.resource.entry.name,
-            lora_rank=self._lora_rank(),
-            writer=writer,
-            meta={"kind": self.policy.kind, "world_size": comm.world_size},
-        )
+        record = self._store(TRAINING, writer, world_size=comm.world_size)
         self.training_checkpoints.append(record)
         return record
 
