@@ -110,7 +110,11 @@ def _run_serve_distributed(config: Any, log_level: str) -> int:
         code = run_worker(Spmd(comm))
         if code == 0:
             dist.destroy_process_group()
-        return code
+            return code
+        # a broken group: skip interpreter teardown, whose gloo/NCCL destructors can abort
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
     def stop(reason: str) -> None:
         os.kill(os.getpid(), signal.SIGTERM)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -98,7 +99,11 @@ def main() -> int:
         code = run_worker(spmd)
         if code == 0:
             dist.destroy_process_group()
-        return code
+            return code
+        # as `trainer serve` does: a broken group skips teardown (gloo destructors can abort)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     store = CheckpointStore(Path(args.storage))
     result = CASES[args.case](spmd, store, args)
     Path(args.out).write_text(json.dumps(result))
