@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from trainer.batch import PACKED_SDPA, PreparedSample, pack, use_packed_sdpa  # noqa: E402
-from trainer.bench.shapes import ModelShape  # noqa: E402
+from trainer.bench.shapes import ModelShape, qwen3_config  # noqa: E402
 from trainer.logprobs import token_logprobs  # noqa: E402
 
 QWEN3_06B = ModelShape(
@@ -86,19 +86,9 @@ def lengths_summing_to(total: int, lo: int, hi: int, seed: int = 0) -> list[int]
 
 
 def build(shape: ModelShape, device: torch.device, lora_rank: int | None) -> tuple[Any, str]:
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM
 
-    config = Qwen3Config(
-        vocab_size=shape.vocab,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim,
-        tie_word_embeddings=shape.tied,
-        max_position_embeddings=40960,
-    )
+    config = qwen3_config(shape, max_position_embeddings=40960)
     attn = "sdpa"
     if device.type == "cuda":
         try:

@@ -52,10 +52,11 @@ def shape_from(params: dict[str, Any]) -> ModelShape:
     return ModelShape(**params["shape"])
 
 
-def build_model(shape: ModelShape, seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
-    from transformers import AutoModelForCausalLM, Qwen3Config
+def qwen3_config(shape: ModelShape, **extra: Any) -> Any:
+    """A transformers `Qwen3Config` of this shape (random weights are built from it)."""
+    from transformers import Qwen3Config
 
-    config = Qwen3Config(
+    return Qwen3Config(
         vocab_size=shape.vocab,
         hidden_size=shape.hidden,
         intermediate_size=shape.intermediate,
@@ -64,10 +65,15 @@ def build_model(shape: ModelShape, seed: int = 0, dtype: torch.dtype = torch.flo
         num_key_value_heads=shape.kv_heads,
         head_dim=shape.head_dim,
         tie_word_embeddings=shape.tied,
-        max_position_embeddings=32768,
-        eos_token_id=1,
-        bos_token_id=0,
-        pad_token_id=0,
+        **extra,
+    )
+
+
+def build_model(shape: ModelShape, seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    config = qwen3_config(
+        shape, max_position_embeddings=32768, eos_token_id=1, bos_token_id=0, pad_token_id=0
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
