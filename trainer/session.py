@@ -245,15 +245,9 @@ class TrainingSession:
             if not forward_only and out.loss.requires_grad:
                 out.loss.backward()
             total += float(out.loss.detach())
-            for name, (num, den) in out.metrics.items():
-                sums[name][0] += num
-                sums[name][1] += den
-            lp = logprobs_P.detach().float().cpu()
-            if entropy_P is not None:
-                sums["loss/entropy/mean"][0] += float(entropy_P.sum())
-                sums["loss/entropy/mean"][1] += float(entropy_P.numel())
+            add_metrics(sums, out.metrics, entropy_P)
             if return_outputs:
-                self._collect_outputs(batch, lp, outputs)
+                self._collect_outputs(batch, logprobs_P.detach().float().cpu(), outputs)
         return call_result(total, sums, outputs if return_outputs else None, norm)
 
     def _logprobs(
@@ -642,6 +636,20 @@ def batch_logprobs(
         chunk_tokens=chunk_tokens,
         with_entropy=with_entropy,
     )
+
+
+def add_metrics(
+    sums: dict[str, list[float]],
+    metrics: dict[str, tuple[float, float]],
+    entropy_P: torch.Tensor | None = None,
+) -> None:
+    """Add a micro-batch's (numerator, denominator) metrics, and its entropy, to the call's."""
+    for name, (num, den) in metrics.items():
+        sums[name][0] += num
+        sums[name][1] += den
+    if entropy_P is not None:
+        sums["loss/entropy/mean"][0] += float(entropy_P.sum())
+        sums["loss/entropy/mean"][1] += float(entropy_P.numel())
 
 
 def call_result(

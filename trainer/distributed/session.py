@@ -22,7 +22,7 @@ from trainer.errors import OperationError
 from trainer.logprobs import token_logprobs
 from trainer.losses import LossInputs, LossNorm, LossOutputs
 from trainer.resource import SHARDED_DIR
-from trainer.session import TrainingSession, call_result
+from trainer.session import TrainingSession, add_metrics, call_result
 from trainer.specs import (
     ModelInput,
     SamplingParams,
@@ -145,14 +145,11 @@ class ShardedSession(TrainingSession):
                         if out is not None:
                             loss = out.loss + link
                             total += float(out.loss.detach())
-                            for name, (num, den) in out.metrics.items():
-                                sums[name][0] += num
-                                sums[name][1] += den
+                            add_metrics(sums, out.metrics)
                 if not forward_only:
                     loss.backward()
-                if real and entropy_P is not None:
-                    sums["loss/entropy/mean"][0] += float(entropy_P.sum())
-                    sums["loss/entropy/mean"][1] += float(entropy_P.numel())
+                if real:
+                    add_metrics(sums, {}, entropy_P)
                 if real and return_outputs:
                     self._collect_outputs(batch, logprobs_P.detach().float().cpu(), outputs)
         finally:
