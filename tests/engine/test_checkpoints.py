@@ -228,12 +228,12 @@ def test_catalogue_survives_restart_and_sweeps_partials(tiny_qwen_dir, tmp_path)
 
     store = CheckpointStore(tmp_path)
     assert not list((tmp_path / "tmp").iterdir())
-    listed = store.list()
-    assert [r.id for r in listed] == [training.id, inference.id]
-    assert listed[0].type == "CHECKPOINT_TYPE_TRAINING" and listed[0].lora_rank == 4
-    assert listed[0].session_id == "a" and listed[0].base_model == "tiny"
+    listed = store.list()  # newest first
+    assert [r.id for r in listed] == [inference.id, training.id]
+    assert listed[1].type == "CHECKPOINT_TYPE_TRAINING" and listed[1].lora_rank == 4
+    assert listed[1].session_id == "a" and listed[1].base_model == "tiny"
     assert store.list(type="CHECKPOINT_TYPE_INFERENCE")[0].id == inference.id
-    assert store.list(after=training.id) == [listed[1]]
+    assert store.list(after=inference.id) == [listed[1]]
     assert store.list(session_id="nobody") == []
     assert store.list(base_model="tiny", limit=1) == [listed[0]]
     names = [name for name, _ in store.files(inference.id, "ADAPTER")]

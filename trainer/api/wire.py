@@ -6,7 +6,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from trainer.api.store import OP_COMPLETED, OP_FAILED, OperationRow, ResourceRow, SessionRow
-from trainer.checkpoints import INFERENCE, TRAINING, CheckpointRecord
+from trainer.checkpoints import INFERENCE, TRAINING, CheckpointRecord, ManifestFile
 from trainer.specs import ModelEntry
 
 CREATED_BY = "local"  # single-tenant: whoever holds the token
@@ -57,7 +57,11 @@ def training_checkpoint_json(record: CheckpointRecord) -> dict[str, Any]:
     return {"id": record.id, "created_at": iso(record.created_at), "step": record.step}
 
 
-def checkpoint_json(record: CheckpointRecord) -> dict[str, Any]:
+def checkpoint_json(
+    record: CheckpointRecord, files: list[ManifestFile] | None = None
+) -> dict[str, Any]:
+    """The SDK's `Checkpoint`, plus `files`: every file of the checkpoint with its manifest
+    size and sha256 (the SDK's models keep extra fields)."""
     return _drop_none(
         {
             "id": record.id,
@@ -67,6 +71,9 @@ def checkpoint_json(record: CheckpointRecord) -> dict[str, Any]:
             "step": record.step,
             "type": record.type,
             "lora_rank": record.lora_rank,
+            "files": None
+            if files is None
+            else [{"path": f.rel, "size": f.size, "sha256": f.sha256} for f in files],
         }
     )
 

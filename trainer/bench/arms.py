@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from trainer.bench import arms_engine, arms_head, arms_http, arms_trl
+from trainer.bench import arms_ckpt, arms_engine, arms_head, arms_http, arms_trl
 from trainer.bench.harness import Measurement
 
 ARMS: dict[str, Callable[[dict[str, Any]], Measurement]] = {
@@ -15,7 +15,7 @@ ARMS: dict[str, Callable[[dict[str, Any]], Measurement]] = {
     "grpo_trl": arms_trl.grpo_trl_arm,
     "packing": arms_engine.packing_arm,
     "lora_sync": arms_engine.lora_sync_arm,
-    "checkpoint": arms_engine.checkpoint_arm,
+    "checkpoint": arms_ckpt.checkpoint_arm,
     "train_memory": arms_engine.train_memory_arm,
     "fb_inprocess": arms_engine.inprocess_fb_arm,
     "fb_http": arms_http.http_fb_arm,

@@ -1,12 +1,8 @@
-"""Rows 2 (our side), 4, 5, 6, 8: engine code paths on Qwen3-shaped random models."""
+"""Rows 2 (our side), 4, 5, 8: engine code paths on Qwen3-shaped models (6: arms_ckpt)."""
 
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -136,51 +132,6 @@ def lora_sync_arm(params: dict[str, Any]) -> Measurement:
     result = measure(sync, reps=params["reps"], warmup=params.get("warmup", 3), after=copy)
     adapter_bytes = sum(p.numel() * p.element_size() for p in sources)
     result.extra = {"copy_times": copy_times, "adapter_mb": adapter_bytes / 2**20}
-    return result
-
-
-def _raw_write(path: Path, nbytes: int, block: int = 16 << 20) -> float:
-    """Sequential write of `nbytes` with one fsync, like a single large file; seconds."""
-    buf = memoryview(os.urandom(block))
-    start = time.perf_counter()
-    with open(path, "wb", buffering=0) as fh:
-        left = nbytes
-        while left > 0:
-            left -= fh.write(buf[: min(block, left)])
-        os.fsync(fh.fileno())
-    elapsed = time.perf_counter() - start
-    path.unlink()
-    return elapsed
-
-
-def checkpoint_arm(params: dict[str, Any]) -> Measurement:
-    """save_training_checkpoint of a full-weights session with AdamW state (weights + 2 moments);
-    `extra.raw_times`: a raw sequential write of the same byte count to the same disk,
-    interleaved with the checkpoint writes."""
-    storage = Path(params["storage"])
-    resource = make_resource(params["model_dir"], lora=False, storage=str(storage))
-    session = make_session(resource)
-    batch = rl_batch(0, 1, (1, 1), (8, 8), shape_from(params).vocab)
-    session.forward_backward(LossConfig(type="LOSS_TYPE_CROSS_ENTROPY"), ce_samples(batch))
-    session.optim_step(AdamParams())
-    sizes: list[int] = []
-    raw_times: list[float] = []
-
-    def save() -> None:
-        record = session.save_training_checkpoint()
-        sizes.append(sum(f.stat().st_size for f in record.path.rglob("*") if f.is_file()))
-
-    def raw_then_clean() -> None:
-        for path in (storage / "checkpoints").iterdir():
-            shutil.rmtree(path)
-        raw_times.append(_raw_write(storage / "raw.bin", sizes[-1]))
-
-    result = measure(save, reps=params["reps"], warmup=1, after=raw_then_clean)
-    blob = os.urandom(64 << 20)
-    start = time.perf_counter()
-    hashlib.sha256(blob).digest()
-    sha_mb_s = 64 / (time.perf_counter() - start)
-    result.extra = {"bytes": sizes[-1], "raw_times": raw_times, "sha256_mb_s": sha_mb_s}
     return result
 
 

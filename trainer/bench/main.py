@@ -41,15 +41,26 @@ NOTES = """Notes on method and on the rows:
   it replaced: rows of 2048 with a dense block-diagonal mask (0.46x–1.22x the padded speed
   across runs: attention over the whole row). Both arms drop masked positions before the
   head, so only the decoder differs; the row uses a decoder-dominated shape.
-- Row 6: a checkpoint copies the weights and AdamW moments out under the session lock,
-  serialises them with safetensors, fsyncs and sha256-hashes every file (overlapped, in
-  threads) and fsyncs the directories and the catalogue before it is listed; the raw arm is
-  one `write` + `fsync` of the same byte count. Both go through the same page cache, whose
-  writeback makes this row the noisiest (0.18–0.52 across runs on this shared machine).
-  MISSED: 0.22 here against 0.5. Kept: fsync and sha256 overlapped across threads (0.2 →
-  0.4–0.5 on quiet runs). Tried and dropped: writing safetensors straight from tensor memory
-  while hashing it (within noise). Not yet profiled: the copy-out of every tensor under the
-  lock, safetensors' own serialisation copy, and the fsynced directory and SQLite writes.
+- Row 6: a training checkpoint writes each file with `save_tensors` straight from the live
+  weights and AdamW moments under the session lock (no copy-out; from an accelerator one tensor
+  at a time comes to the CPU), largest file first; each file's fsync and sha256 (read back from
+  the page cache through a mapping) start in threads as soon as it closes, and finish after the
+  lock is released; then the directories, manifest, rename and catalogue. The raw arm is one
+  `write` + `fsync` of the same byte count; the baseline arm, run interleaved in the same
+  process, is the path before (a clone of every tensor under the lock, safetensors' `save_file`,
+  then fsync ∥ sha256 of all files). Profile (per-run medians, ms, range over three runs):
+  baseline copy-out 436–675, `save_file` 157–751, fsync ∥ sha256 424–654, directory fsyncs +
+  manifest + rename 13–18, SQLite insert 1–2; ours copy-out 0, writes 208–691 (the lock hold
+  time, comparable to the baseline's copy-out), wait for fsync ∥ sha256 321–498, directory
+  fsyncs + manifest + rename 10–18, SQLite 1–3. safetensors 0.8 serialises from the tensors'
+  pointers (no copy), but one `write` per tensor took half its time on the same 348 MB measured
+  alone. What remains is necessary: every byte is written once (what the raw arm does) and
+  hashed once for the manifest, and sha256 ran at 478–697 MB/s during the runs against 606–858
+  MB/s for raw write + fsync. With both cores taken by other work the hash cannot hide behind
+  the writes, which bounds the ratio near 0.45–0.55; with a free core it overlaps them. The
+  directory and SQLite fsyncs are under 3%. Met: 0.45 / 0.51 / 0.53 in three runs (baseline 0.24
+  / 0.26 / 0.42 in the same runs), load average 4.2–5.6 on 2 cores, 2026-12-01: a noisy row, at
+  the target rather than above it.
 - Row 7: the SDK polls the operation every 20 ms; the server is a separate process on the
   same two cores.
 """
