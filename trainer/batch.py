@@ -16,8 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
+from trainer.arrays import as_float32, first
 from trainer.errors import invalid
 from trainer.losses import LossNorm
 from trainer.specs import Gradient, Sample
@@ -82,7 +85,10 @@ def _prepare_one(
     gradient: Gradient | None,
 ) -> PreparedSample:
     where = f"samples[{i}]"
-    tokens = sample.model_input.tokens
+    try:
+        tokens: Any = sample.model_input.token_array()
+    except OverflowError:  # a listed id past int64: `_check_ids` names it
+        tokens = sample.model_input.tokens
     length = len(tokens)
     if length == 0:
         raise invalid(f"{where}.model_input", "has no tokens")
@@ -90,7 +96,7 @@ def _prepare_one(
         raise invalid(
             f"{where}.model_input", f"{length} tokens exceed max_seq_length {max_seq_length}"
         )
-    _check_ids(tokens, vocab_size, f"{where}.model_input.chunks")
+    tokens = _check_ids(tokens, vocab_size, f"{where}.model_input.chunks")
     inputs = sample.loss_fn_inputs
     if "target_tokens" not in inputs:
         raise invalid(f"{where}.loss_fn_inputs.target_tokens", "is required")
@@ -105,21 +111,23 @@ def _prepare_one(
                 f"{where}.loss_fn_inputs.{name}",
                 f"has {len(tensor.data)} values but model_input has {length} tokens",
             )
-    targets = [int(t) for t in inputs["target_tokens"].data]
     if inputs["target_tokens"].dtype != "int64":
         raise invalid(f"{where}.loss_fn_inputs.target_tokens", "dtype must be int64")
-    _check_ids(targets, vocab_size, f"{where}.loss_fn_inputs.target_tokens")
+    targets = _check_ids(
+        inputs["target_tokens"].data, vocab_size, f"{where}.loss_fn_inputs.target_tokens"
+    )
+    # float64 then float32, as `torch.tensor([float(v) ...], dtype=float32)` rounded
     floats: dict[str, torch.Tensor] = {}
     for name in FLOAT_INPUTS:
         if name in inputs:
-            floats[name] = torch.tensor([float(v) for v in inputs[name].data], dtype=torch.float32)
+            floats[name] = torch.from_numpy(as_float32(inputs[name].data))
     if gradient is not None:
         if len(gradient.data) != length:
             raise invalid(
                 f"gradients[{i}].data",
                 f"has {len(gradient.data)} values but samples[{i}] has {length} tokens",
             )
-        floats["gradients"] = torch.tensor(gradient.data, dtype=torch.float32)
+        floats["gradients"] = torch.from_numpy(as_float32(gradient.data))
     if "mask" in floats:
         mask = (floats["mask"] != 0).float()
     elif "weights" in floats:
@@ -130,17 +138,23 @@ def _prepare_one(
         mask = torch.ones(length, dtype=torch.float32)
     return PreparedSample(
         index=i,
-        tokens_T=torch.tensor(tokens, dtype=torch.long),
-        targets_T=torch.tensor(targets, dtype=torch.long),
+        tokens_T=torch.from_numpy(tokens),
+        targets_T=torch.from_numpy(targets),
         mask_T=mask,
         inputs=floats,
     )
 
 
-def _check_ids(ids: list[int], vocab_size: int, where: str) -> None:
-    for j, token in enumerate(ids):
-        if not 0 <= token < vocab_size:
-            raise invalid(f"{where}[{j}]", f"token id {token} out of range [0, {vocab_size})")
+def _check_ids(values: Any, vocab_size: int, where: str) -> npt.NDArray[np.int64]:
+    """Token ids (a list or a packed array) as a fresh int64 array, each in `[0, vocab)`."""
+    try:
+        ids = np.array(values, dtype=np.int64)  # a copy: tensors never alias the request
+    except OverflowError:  # a Python int past int64
+        ids = np.array([t if 0 <= t < vocab_size else -1 for t in values], dtype=np.int64)
+    bad = first((ids < 0) | (ids >= vocab_size))
+    if bad is not None:
+        raise invalid(f"{where}[{bad}]", f"token id {values[bad]} out of range [0, {vocab_size})")
+    return ids
 
 
 def loss_norm(samples: list[PreparedSample]) -> LossNorm:
@@ -184,7 +198,10 @@ class MicroBatch:
         return torch.ones(self.keep_index_P.shape[0], dtype=torch.float32)
 
     def decoder_inputs(
-        self, attn_implementation: str | None, device: torch.device | str = "cpu"
+        self,
+        attn_implementation: str | None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Keyword arguments for the decoder's forward, and the index of the kept positions in
         its flattened `last_hidden_state` (use it in place of `keep_index_P`).
@@ -192,13 +209,14 @@ class MicroBatch:
         With a varlen attention (FlashAttention, or `packed_sdpa` below), the rows go in as one
         `[1, Σ tokens]` row without padding or mask: the kernel splits it where the position
         ids restart, so no `L×L` mask is built or applied and no padding is computed. Any other
-        implementation (sdpa, eager) gets the padded rows and the block-diagonal causal mask.
+        implementation (sdpa, eager) gets the padded rows and the block-diagonal causal mask,
+        in the form it takes (`attention_mask`; `dtype`: the model's).
         """
         if not is_varlen(attn_implementation):
             inputs = {
                 "input_ids": self.tokens_R_L.to(device),
                 "position_ids": self.position_ids_R_L.to(device),
-                "attention_mask": self.attention_mask_R_1_L_L.to(device),
+                "attention_mask": self.attention_mask(attn_implementation, device, dtype),
             }
             return inputs, self.keep_index_P.to(device)
         width = self.tokens_R_L.shape[1]
@@ -211,6 +229,22 @@ class MicroBatch:
             "position_ids": self.position_ids_R_L[real][None].to(device),
         }
         return inputs, (offsets[rows] + cols).to(device)
+
+    def attention_mask(
+        self,
+        attn_implementation: str | None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """The block-diagonal causal mask as the attention takes it: boolean (True = attend)
+        for SDPA; additive in `dtype` for any other (eager adds the mask to the scores, so a
+        boolean True would become +1 and mask nothing): 0 where a token may attend, the
+        dtype's lowest value elsewhere, as transformers builds its own eager masks."""
+        allowed = self.attention_mask_R_1_L_L.to(device)
+        if attn_implementation in BOOLEAN_MASK_ATTENTION:
+            return allowed
+        additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        return additive.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def pack(
@@ -284,6 +318,7 @@ def _build(rows: list[list[PreparedSample]]) -> MicroBatch:
 # -- varlen attention without FlashAttention ---------------------------------------------------
 
 PACKED_SDPA = "packed_sdpa"
+BOOLEAN_MASK_ATTENTION = ("sdpa", PACKED_SDPA)  # take a boolean mask; others an additive one
 
 
 def is_varlen(attn_implementation: str | None) -> bool:

@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+if TYPE_CHECKING:
+    from trainer.batch import MicroBatch
 
 DEFAULT_CHUNK_TOKENS = 1024
 BACKEND_ENV = "TRAINER_LOGPROBS_BACKEND"  # "liger": liger-kernel's fused path where it applies
@@ -233,6 +236,28 @@ def token_logprobs(
         lp, _ = checkpoint(_chunk_logprobs, head, hidden, targets, use_reentrant=False)
         parts.append(lp)
     return torch.cat(parts), None
+
+
+def batch_logprobs(
+    model: Any, batch: MicroBatch, device: torch.device, chunk_tokens: int, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Decoder over a micro-batch's packed rows, then the chunked head at the kept positions.
+
+    With a varlen attention (FlashAttention, or our exact `packed_sdpa` on CPU) the samples go in
+    as one unpadded row; otherwise as padded rows with a block-diagonal causal mask, in the form
+    the model's attention takes (`MicroBatch.attention_mask`).
+    """
+    dtype = getattr(model, "dtype", torch.float32)
+    inputs, keep_P = batch.decoder_inputs(model.config._attn_implementation, device, dtype)
+    hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
+    hidden_P_H = hidden.reshape(-1, hidden.shape[-1])[keep_P]
+    return token_logprobs(
+        hidden_P_H,
+        model.get_output_embeddings(),
+        batch.targets_P.to(device),
+        chunk_tokens=chunk_tokens,
+        with_entropy=with_entropy,
+    )
 
 
 def _forward_only(

@@ -54,8 +54,25 @@ class Policy(abc.ABC):
         """Make the published weights the active ones; yields the model to sample from."""
 
     @abc.abstractmethod
+    def published_tensors(self) -> dict[str, torch.Tensor]:
+        """The generator's weights under the canonical names (empty without a generator)."""
+
     def publish(self, snapshot: dict[str, torch.Tensor] | None = None) -> None:
         """Copy the trainable weights (or an earlier snapshot of them) to the generator."""
+        source = snapshot if snapshot is not None else self.trainable
+        with torch.no_grad():
+            for name, tensor in self.published_tensors().items():
+                tensor.copy_(source[name])
+
+    def swap_published(self, snapshot: dict[str, torch.Tensor]) -> None:
+        """Exchange the generator's weights with `snapshot`, in place and bit for bit: the
+        generator serves the snapshot and the snapshot holds what the generator served, so a
+        second swap undoes the first. No second copy of the weights is made."""
+        with torch.no_grad():
+            for name, tensor in self.published_tensors().items():
+                held = tensor.clone()
+                tensor.copy_(snapshot[name])
+                snapshot[name].copy_(held)
 
     @abc.abstractmethod
     def export_inference(self, out_dir: Path, tokenizer: Any, source: Any = None) -> None:
@@ -176,13 +193,8 @@ class LoraPolicy(Policy):
         self.peft.eval()
         yield self.model
 
-    def publish(self, snapshot: dict[str, torch.Tensor] | None = None) -> None:
-        if not self.with_generator:
-            return
-        source = snapshot if snapshot is not None else self.trainable
-        with torch.no_grad():
-            for name, param in self._pub.items():
-                param.copy_(source[name])
+    def published_tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self._pub) if self.with_generator else {}
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
         """peft's adapter-free keys (`...q_proj.lora_A.weight`), on CPU."""
@@ -265,14 +277,8 @@ class FullPolicy(Policy):
         self.generator.eval()
         yield self.generator
 
-    def publish(self, snapshot: dict[str, torch.Tensor] | None = None) -> None:
-        if self.generator is None:
-            return
-        source = snapshot if snapshot is not None else self.trainable
-        targets = dict(self.generator.named_parameters())
-        with torch.no_grad():
-            for name, param in targets.items():
-                param.copy_(source[name])
+    def published_tensors(self) -> dict[str, torch.Tensor]:
+        return {} if self.generator is None else dict(self.generator.named_parameters())
 
     def export_inference(self, out_dir: Path, tokenizer: Any, source: Any = None) -> None:
         save_merged(self._model if source is None else source, out_dir / "merged", {}, tokenizer)

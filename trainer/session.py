@@ -5,7 +5,10 @@ Every operation validates its input before touching any state, runs under the re
 - forward-backward computes new gradients apart from the accumulated ones and adds them only
   when loss and gradients are finite;
 - optim-step checks the gradient norm before AdamW touches a weight;
-- a checkpoint is listed only once complete (see `checkpoints.py`).
+- a checkpoint is listed only once complete (see `checkpoints.py`);
+- any operation that raises gets back the RNG state, step and versions (pending publish
+  included) it started with, and its registered undo actions run (`_running`); a sample
+  swaps a pending publish back out of the generator that way (`session_generator.py`).
 
 Each session has its own RNG state (LoRA dropout, sampling without a seed): it is swapped in
 for the session's operations only, so interleaved sessions do not perturb each other and a
@@ -18,27 +21,24 @@ import contextlib
 import json
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import save_file
 
-from trainer import sampler
 from trainer.batch import MicroBatch, PreparedSample, loss_norm, pack, prepare_samples
-from trainer.checkpoints import INFERENCE, TRAINING, CheckpointRecord, write_json
+from trainer.checkpoints import INFERENCE, TRAINING, CheckpointRecord, save_tensors, write_json
 from trainer.errors import OperationError, invalid
-from trainer.logprobs import token_logprobs
+from trainer.logprobs import batch_logprobs
 from trainer.losses import LossInputs, LossOutputs, compute_loss, custom_loss
 from trainer.policy import Policy, cuda_devices, layout_like
+from trainer.session_generator import GeneratorOps, Undo, Versions
 from trainer.specs import (
     AdamParams,
     Gradient,
     LossConfig,
-    ModelInput,
     Sample,
-    SamplingParams,
     SessionSpec,
 )
 from trainer.tracking import worker_run
@@ -46,30 +46,7 @@ from trainer.tracking import worker_run
 if TYPE_CHECKING:
     from trainer.resource import ModelResource
 
-SYNC_TYPES = (
-    "WEIGHT_SYNC_TYPE_SYNCHRONOUS",
-    "WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH",
-    "WEIGHT_SYNC_TYPE_PIPELINE",
-)
 CHECKPOINT_FORMAT = 1
-
-
-@dataclass
-class Versions:
-    """Part B §8: trainer_step counts optim-steps; the generator serves `applied`."""
-
-    trainer_step: int = 0
-    target_weights_version: int = 0
-    applied_weights_version: int = 0
-    pending: tuple[dict[str, torch.Tensor], int] | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "trainer_step": self.trainer_step,
-            "target_weights_version": self.target_weights_version,
-            "applied_weights_version": self.applied_weights_version,
-            "pending_publish": self.pending is not None,
-        }
 
 
 @dataclass
@@ -81,7 +58,7 @@ class EngineOptions:
 
 
 @dataclass
-class TrainingSession:
+class TrainingSession(GeneratorOps):
     resource: ModelResource
     id: str
     spec: SessionSpec
@@ -114,8 +91,10 @@ class TrainingSession:
         return self.resource.device
 
     @contextlib.contextmanager
-    def _running(self) -> Iterator[None]:
-        """Resource lock + this session's RNG state swapped in for the operation."""
+    def _running(self) -> Iterator[Undo]:
+        """Resource lock + this session's RNG state swapped in for the operation. The RNG
+        state is kept only if the operation completes; if it raises, step and versions (pending
+        publish included) are put back and the undo actions it registered run in reverse."""
         if not self.active:
             raise OperationError("SESSION_NOT_ACTIVE", f"session {self.id} is not running")
         devices = cuda_devices()
@@ -123,11 +102,17 @@ class TrainingSession:
             torch.set_rng_state(self._cpu_rng)
             for i, state in zip(devices, self._cuda_rng):
                 torch.cuda.set_rng_state(state, i)
+            saved = (self.step, replace(self.versions))
+            undo: Undo = []
             try:
-                yield
-            finally:
-                self._cpu_rng = torch.get_rng_state()
-                self._cuda_rng = [torch.cuda.get_rng_state(i) for i in cuda_devices()]
+                yield undo
+            except BaseException:
+                for action in reversed(undo):
+                    action()
+                self.step, self.versions = saved
+                raise
+            self._cpu_rng = torch.get_rng_state()
+            self._cuda_rng = [torch.cuda.get_rng_state(i) for i in devices]
 
     def _prepare(
         self,
@@ -357,172 +342,23 @@ class TrainingSession:
     def _clip_grads(self, params: list[torch.nn.Parameter], max_norm: float, norm: float) -> None:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(norm))
 
-    # -- generator -------------------------------------------------------------------------
-
-    def weights_sync(self, sync_type: str) -> dict[str, Any]:
-        """SYNCHRONOUS: live on return. BACKGROUND_PUBLISH and PIPELINE: a snapshot is queued
-        and the next sample applies it before generating (`pending_publish` until then)."""
-        if sync_type not in SYNC_TYPES:
-            raise invalid("weight_sync_type", f"must be one of {', '.join(SYNC_TYPES)}")
-        self._require_generator()
-        with self._running():
-            version = self.versions.trainer_step
-            self.versions.target_weights_version = version
-            if sync_type == "WEIGHT_SYNC_TYPE_SYNCHRONOUS":
-                self.policy.publish()
-                self.versions.applied_weights_version = version
-                self.versions.pending = None
-            else:
-                self.versions.pending = (self.policy.snapshot(), version)
-        return {"weights_version": version}
-
-    def _apply_pending(self) -> None:
-        if self.versions.pending is not None:
-            snapshot, version = self.versions.pending
-            self.policy.publish(snapshot)
-            self.versions.applied_weights_version = version
-            self.versions.pending = None
-
-    def _require_generator(self) -> None:
-        if not self.resource.has_generator:
-            raise invalid(
-                "compute_config.num_generator_replicas",
-                "this resource has no generator (0 replicas): sample and weights-sync are off",
-            )
-
-    def sample(
-        self,
-        model_inputs: list[ModelInput],
-        *,
-        num_samples: int = 1,
-        sampling_params: SamplingParams | None = None,
-        prompt_logprobs: bool = False,
-        topk_prompt_logprobs: int = 0,
-    ) -> dict[str, Any]:
-        params = sampling_params or SamplingParams()
-        self._require_generator()
-        prompts = self._check_prompts(model_inputs, num_samples, params, topk_prompt_logprobs)
-        stop_hit = self._stop_checker(params.stop)
-        with self._running():
-            self._apply_pending()
-            version = self.versions.applied_weights_version
-            with self.policy.published() as model:
-                forward = self._model_forward(model)
-                groups = sampler.generate(
-                    model,
-                    prompts,
-                    num_samples=num_samples,
-                    params=params,
-                    eos_ids=self.resource.eos_ids,
-                    stop_hit=stop_hit,
-                    seed=params.seed,
-                    forward=forward,
-                    agree=self._agree_tokens,
-                )
-                results = []
-                for prompt, group in zip(prompts, groups, strict=True):
-                    result: dict[str, Any] = {
-                        "sequences": [
-                            {
-                                "tokens": seq.tokens,
-                                "logprobs": seq.logprobs,
-                                "stop_reason": seq.stop_reason,
-                                "prompt_cache_hit_tokens": 0,
-                            }
-                            for seq in group
-                        ],
-                        "policy_segments": [{"start_token": 0, "version": version}],
-                    }
-                    if prompt_logprobs or topk_prompt_logprobs:
-                        lps, top = sampler.prompt_logprobs(
-                            model, prompt, topk_prompt_logprobs, forward=forward
-                        )
-                        if prompt_logprobs:
-                            result["prompt_logprobs"] = lps
-                        if topk_prompt_logprobs:
-                            result["topk_prompt_logprobs"] = top
-                    results.append(result)
-        return {"results": results}
-
-    def _model_forward(self, model: torch.nn.Module) -> Callable[..., Any]:
-        """How generation calls the model (here: directly)."""
-        return model
-
-    def _agree_tokens(self, chosen_S: torch.Tensor) -> torch.Tensor:
-        """The tokens every process continues with (here: the ones just chosen)."""
-        return chosen_S
-
-    def _check_prompts(
-        self,
-        model_inputs: list[ModelInput],
-        num_samples: int,
-        params: SamplingParams,
-        topk: int,
-    ) -> list[list[int]]:
-        entry = self.resource.entry
-        if not model_inputs:
-            raise invalid("model_inputs", "at least one prompt is required")
-        if not 1 <= num_samples <= entry.max_batch_size:
-            raise invalid("num_samples", f"must be in [1, {entry.max_batch_size}]")
-        if len(model_inputs) * num_samples > entry.max_batch_size:
-            raise invalid(
-                "num_samples",
-                f"{len(model_inputs)} prompts x {num_samples} samples exceed "
-                f"max_batch_size {entry.max_batch_size}",
-            )
-        if not 0 <= topk <= 20:
-            raise invalid("topk_prompt_logprobs", "must be in [0, 20]")
-        prompts = []
-        for i, model_input in enumerate(model_inputs):
-            tokens = model_input.tokens
-            if not tokens:
-                raise invalid(f"model_inputs[{i}]", "has no tokens")
-            for j, token in enumerate(tokens):
-                if not 0 <= token < self.resource.vocab_size:
-                    raise invalid(
-                        f"model_inputs[{i}].chunks[{j}]",
-                        f"token id {token} out of range [0, {self.resource.vocab_size})",
-                    )
-            if len(tokens) + params.max_tokens > entry.max_seq_length:
-                raise invalid(
-                    "sampling_params.max_tokens",
-                    f"prompt {i} ({len(tokens)} tokens) + max_tokens {params.max_tokens} "
-                    f"exceeds the context length {entry.max_seq_length}",
-                )
-            prompts.append(tokens)
-        return prompts
-
-    def _stop_checker(self, stops: list[str]) -> Callable[[list[int]], bool] | None:
-        if not stops:
-            return None
-        tokenizer = self.resource.tokenizer
-        if tokenizer is None:
-            raise invalid(
-                "sampling_params.stop", "stop strings need a tokenizer and this model has none"
-            )
-
-        def hit(tokens: list[int]) -> bool:
-            text = tokenizer.decode(tokens[-32:], skip_special_tokens=False)
-            return any(stop in text for stop in stops)
-
-        return hit
-
     # -- checkpoints -----------------------------------------------------------------------
 
     def save_training_checkpoint(self) -> CheckpointRecord:
-        """Weights (adapter or full), AdamW state, counters, RNG states and specs."""
-        with self._running():
-            weights = {n: p.detach().to("cpu").clone() for n, p in self.policy.trainable.items()}
-            optimizer = self._optimizer_tensors()
-            rng = {"cpu": self._cpu_rng.clone()}
-            rng.update({f"cuda{i}": s.clone() for i, s in enumerate(self._cuda_rng)})
-            state = self._state_json()
+        """Weights (adapter or full), AdamW state, counters, RNG states and specs. The files
+        are written from the live tensors under the lock, with no copy-out (from an accelerator
+        one tensor at a time); their fsync and sha256 finish once it is released (row 6)."""
 
         def writer(out: Path) -> None:
-            save_file(weights, str(out / "weights.safetensors"))
-            save_file(optimizer, str(out / "optimizer.safetensors"))
-            save_file(rng, str(out / "rng.safetensors"))
-            write_json(out / "state.json", state)
+            with self._running():
+                weights = {n: p.detach() for n, p in self.policy.trainable.items()}
+                rng = {"cpu": self._cpu_rng.clone()}
+                rng.update({f"cuda{i}": s.clone() for i, s in enumerate(self._cuda_rng)})
+                # largest first: its sha256 starts while the others are written
+                save_tensors(self._optimizer_tensors(copy=False), out / "optimizer.safetensors")
+                save_tensors(weights, out / "weights.safetensors")
+                save_tensors(rng, out / "rng.safetensors")
+                write_json(out / "state.json", self._state_json())
 
         record = self._store(TRAINING, writer)
         self.training_checkpoints.append(record)
@@ -576,14 +412,16 @@ class TrainingSession:
             "resource_spec": json.loads(self.resource.spec.model_dump_json()),
         }
 
-    def _optimizer_tensors(self) -> dict[str, torch.Tensor]:
+    def _optimizer_tensors(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        """CPU copies, or (`copy=False`) the live state tensors, to be read under the lock."""
         out = {}
         for name, param in self.policy.trainable.items():
             state = self.optimizer.state.get(param)
             if not state:
                 continue
             for key, value in state.items():
-                out[f"{name}::{key}"] = value.detach().to("cpu").clone()
+                value = value.detach()
+                out[f"{name}::{key}"] = value.to("cpu", copy=True) if copy else value
         return out
 
     def load_optimizer_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -616,26 +454,6 @@ class TrainingSession:
             if self.tracker is not None:
                 self.tracker.finish()
                 self.tracker = None
-
-
-def batch_logprobs(
-    model: Any, batch: MicroBatch, device: torch.device, chunk_tokens: int, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Decoder over the packed rows, then the chunked head at the kept positions.
-
-    With a varlen attention (FlashAttention, or our exact `packed_sdpa` on CPU) the samples go in
-    as one unpadded row; otherwise as padded rows with a block-diagonal causal mask.
-    """
-    inputs, keep_P = batch.decoder_inputs(model.config._attn_implementation, device)
-    hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
-    hidden_P_H = hidden.reshape(-1, hidden.shape[-1])[keep_P]
-    return token_logprobs(
-        hidden_P_H,
-        model.get_output_embeddings(),
-        batch.targets_P.to(device),
-        chunk_tokens=chunk_tokens,
-        with_entropy=with_entropy,
-    )
 
 
 def add_metrics(

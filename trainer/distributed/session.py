@@ -188,13 +188,15 @@ class ShardedSession(TrainingSession):
         self, batch: MicroBatch, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         device = self.device
+        model = self.policy.model
+        mask = batch.attention_mask(model.config._attn_implementation, device, model.dtype)
         return cast(
             tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
             self.resource.root(
                 _sharded_logprobs,
                 batch.tokens_R_L.to(device),
                 batch.position_ids_R_L.to(device),
-                batch.attention_mask_R_1_L_L.to(device),
+                mask,
                 batch.keep_index_P.to(device),
                 batch.targets_P.to(device),
                 self.options.chunk_tokens,

@@ -115,6 +115,9 @@ class ShardedFullPolicy(FullPolicy):
             for name, param in self.trainable.items():
                 param.copy_(tensors[name])
 
+    def published_tensors(self) -> dict[str, torch.Tensor]:
+        return {} if self._published is None else dict(self._published)
+
     def publish(self, snapshot: dict[str, torch.Tensor] | None = None) -> None:
         if self._published is None:
             return
