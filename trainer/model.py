@@ -3,6 +3,14 @@
 A location is a local directory, a hub id (`org/name`), or `hf://org/name`. Hub access goes
 through transformers / huggingface_hub, so `HF_HUB_OFFLINE`, `HF_HOME` and the cache are
 respected. `trust_remote_code` is only ever passed through from the catalogue entry.
+
+Loading is not thread-safe in transformers: `from_pretrained` changes process-global state
+while it builds a model (`torch.set_default_dtype`, `PreTrainedModel.tie_weights`,
+`torch.linspace` and the `torch.nn.init` functions are swapped and restored), and its lazy
+module resolves classes on first use. Two loads at once could leave a tied head on the meta
+device, or the swapped functions in place for good. So the classes are imported here, once, and
+every load builds its model under `COMPUTE_LOCK`, which operations also hold: no thread computes
+while the globals are swapped.
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,10 +28,19 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer  # eager: see the module docstring
 
 from trainer.specs import LoraConfig, ModelEntry
 
 log = logging.getLogger(__name__)
+
+# One lock for all torch work that reads or changes process-global state: operations (they swap
+# their session's RNG state into the global torch RNG, and a worker drives one accelerator) and
+# model loading (see the module docstring). Re-entrant: an operation may load weights.
+COMPUTE_LOCK = threading.RLock()
+
+# config.json keys that hold a model's context length, in order of preference
+_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -56,8 +74,10 @@ def local_dir(location: str, revision: str | None = None) -> Path:
 
 
 def load_base_model(entry: ModelEntry, device: torch.device) -> tuple[Any, Any]:
-    """Load the base model (and its tokenizer, when it has one) for a catalogue entry."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Load the base model (and its tokenizer, when it has one) for a catalogue entry.
+
+    Safe to call from several threads at once (loads take turns with each other and with
+    operations; the download, if any, runs outside the lock)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -66,24 +86,78 @@ def load_base_model(entry: ModelEntry, device: torch.device) -> tuple[Any, Any]:
     attn = "sdpa"
     if device.type == "cuda" and _has_flash_attn():
         attn = "flash_attention_2"
-    model = AutoModelForCausalLM.from_pretrained(
-        source,
-        dtype=dtype,
-        trust_remote_code=entry.trust_remote_code,
-        attn_implementation=attn,
-    )
-    model.to(device)  # type: ignore[arg-type]
-    if attn == "sdpa":
-        from trainer.batch import use_packed_sdpa
+    with COMPUTE_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(
+            source,
+            dtype=dtype,
+            trust_remote_code=entry.trust_remote_code,
+            attn_implementation=attn,
+        )
+        model.to(device)  # type: ignore[arg-type]
+        if attn == "sdpa":
+            from trainer.batch import use_packed_sdpa
 
-        use_packed_sdpa(model)  # exact varlen attention for packed samples, plain sdpa otherwise
-    model.requires_grad_(False)
-    model.eval()
-    tokenizer = None
-    if any(Path(source, name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=entry.trust_remote_code)
+            use_packed_sdpa(model)  # exact varlen attention for packed samples, else plain sdpa
+        model.requires_grad_(False)
+        model.eval()
+        tokenizer = None
+        if any(Path(source, name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+            tokenizer = AutoTokenizer.from_pretrained(
+                source, trust_remote_code=entry.trust_remote_code
+            )
     log.info("loaded %s from %s (%s, %s, attn=%s)", entry.name, source, dtype, device, attn)
     return model, tokenizer
+
+
+def context_length(config: dict[str, Any]) -> int | None:
+    """The longest sequence a model takes, from its config.json (None when it does not say)."""
+    for section in (config, config.get("text_config")):
+        if not isinstance(section, dict):
+            continue
+        for key in _POSITION_KEYS:
+            value = section.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 2:
+                return value
+    return None
+
+
+def read_model_config(location: str, revision: str | None = None) -> dict[str, Any]:
+    """A model's config.json as a dict, without loading it (one small file from the hub)."""
+    path = Path(location).expanduser()
+    if path.is_dir():
+        file = path / "config.json"
+    elif location.startswith(("/", "./", "../", "~")):
+        raise FileNotFoundError(f"no such directory: {location}")
+    else:
+        from huggingface_hub import hf_hub_download
+
+        file = Path(hf_hub_download(hub_id(location), "config.json", revision=revision))
+    config: dict[str, Any] = json.loads(file.read_text())
+    return config
+
+
+def with_context_limit(entry: ModelEntry, model_config: dict[str, Any]) -> ModelEntry:
+    """The entry with `max_seq_length` set to the model's own context length, or to the
+    configured one when that is smaller (an unset `max_seq_length` means the model's own)."""
+    own = context_length(model_config)
+    if own is None:
+        return entry
+    configured = "max_seq_length" in entry.model_fields_set
+    limit = min(own, entry.max_seq_length) if configured else own
+    if limit == entry.max_seq_length and configured:
+        return entry
+    return entry.model_copy(update={"max_seq_length": limit})
+
+
+def resolve_context_limit(entry: ModelEntry) -> ModelEntry:
+    """`with_context_limit` reading the model's config.json; the entry as it is when the
+    config cannot be read now (it is applied again when the model loads)."""
+    try:
+        config = read_model_config(entry.location, entry.revision)
+    except Exception as exc:  # offline, missing, unreadable: the resource load reports it
+        log.warning("%s: cannot read its config.json yet (%s)", entry.name, exc)
+        return entry
+    return with_context_limit(entry, config)
 
 
 def _has_flash_attn() -> bool:

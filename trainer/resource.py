@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,20 +19,18 @@ from safetensors.torch import load_file
 from trainer.checkpoints import INFERENCE, CheckpointCorrupt, CheckpointStore
 from trainer.errors import OperationError, invalid
 from trainer.model import (
+    COMPUTE_LOCK,
     default_device,
     is_adapter_dir,
     is_tied,
     load_base_model,
     local_dir,
     read_model_weights,
+    with_context_limit,
 )
 from trainer.policy import FullPolicy, LoraPolicy, Policy, layout_like
 from trainer.session import EngineOptions, TrainingSession, Versions
 from trainer.specs import LoraConfig, ModelEntry, ResourceSpec, SessionSpec
-
-# One lock for all compute in the process: operations swap their session's RNG state into the
-# global torch RNG, and a worker drives one accelerator, so resources take turns.
-COMPUTE_LOCK = threading.RLock()
 
 SHARDED_DIR = "sharded"  # a multi-rank training checkpoint's tensors (weights + optimizer)
 
@@ -54,8 +51,10 @@ class ModelResource:
         self.store = store
         self.device = torch.device(device) if device else default_device()
         self.options = options or EngineOptions()
-        self.lock = COMPUTE_LOCK
+        self.lock = COMPUTE_LOCK  # process-wide: resources (and loads) take turns
         self.model, self.tokenizer = self._load_model()
+        # the model's own context length bounds every sample, or the configured one if smaller
+        self.entry = with_context_limit(entry, self.model.config.to_dict())
         if self.options.activation_checkpointing:
             # about -30-40% activation memory for about +25% time; off for tiny models
             self.model.gradient_checkpointing_enable(
@@ -116,11 +115,7 @@ class ModelResource:
             seed = lora_config.seed if self.lora and lora_config.seed is not None else None
         rng_seed = seed if seed is not None else self._draw_seed()
         if self.lora:
-            if lora_config.rank > self.entry.max_lora_rank:
-                raise invalid(
-                    "lora_config.rank",
-                    f"{lora_config.rank} exceeds max rank {self.entry.max_lora_rank}",
-                )
+            self._check_rank(lora_config, "lora_config.rank", "")
             lora_seed = lora_config.seed if lora_config.seed is not None else rng_seed
             self._adapters += 1
             policy = LoraPolicy(
@@ -146,6 +141,15 @@ class ModelResource:
             rng_seed=rng_seed,
             options=self.options,
         )
+
+    def _check_rank(self, config: LoraConfig, field: str, source: str) -> None:
+        """The effective LoRA config (a resumed checkpoint's own) within the model's limit."""
+        if self.lora and config.rank > self.entry.max_lora_rank:
+            raise invalid(
+                field,
+                f"{source}LoRA rank {config.rank} exceeds max_lora_rank "
+                f"{self.entry.max_lora_rank} of {self.entry.name}",
+            )
 
     def _reload_base(self) -> None:
         if self._base_tied and not is_tied(self.model):
@@ -184,6 +188,7 @@ class ModelResource:
             source = record.path / ("adapter" if self.lora else "merged")
             return self._from_directory(session_id, spec, source, field)
         lora_config = LoraConfig(**state["lora_config"]) if state["lora_config"] else LoraConfig()
+        self._check_rank(lora_config, field, f"checkpoint {checkpoint_id}: its ")
         load_optimizer = spec.load_optimizer is not False
         session = self._new_session(
             session_id, spec, lora_config, seed=state["rng_seed"] if load_optimizer else None
@@ -248,6 +253,7 @@ class ModelResource:
         else:
             lora_config = LoraConfig()
             weights = read_model_weights(source)
+        self._check_rank(lora_config, field, f"{source.name}: the adapter's ")
         untie = adapter and not self.lora and lora_config.train_unembed
         session = self._new_session(session_id, spec, lora_config, untie_head=untie)
         try:

@@ -49,9 +49,21 @@ class ServeConfig(StrictSpec):
     session_create_wait_s: float = Field(
         default=60.0, ge=0, description="how long a session POST waits to answer RUNNING"
     )
+    resource_create_wait_s: float = Field(
+        default=60.0, ge=0, description="how long a resource POST waits for the model to load"
+    )
+    max_resources: int = Field(
+        default=8, ge=1, description="live model resources (each holds its own copy of a model)"
+    )
+    max_sessions_per_resource: int = Field(
+        default=64, ge=1, description="live sessions on one model resource"
+    )
     max_body_bytes: int = Field(default=64 << 20, ge=1024, description="inline request bodies")
     max_payload_bytes: int = Field(
-        default=5 * 1024**3 - 5 * 1024**2, ge=1024, description="uploaded payloads (SDK cap)"
+        default=1 << 30,
+        ge=1024,
+        description="uploaded payloads (the SDK allows 4.995 GiB; parsing one takes about 6x "
+        "its size in the body parser's process, and ~1x in the worker)",
     )
     result_offload_bytes: int = Field(
         default=4 << 20, ge=1024, description="larger operation outputs go out by payload"

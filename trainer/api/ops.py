@@ -1,24 +1,30 @@
 """Per-session FIFO execution of operations, recorded in the worker's catalogue.
 
-Each live session owns one worker thread and one queue: its operations run one at a time, in
-arrival order, while other sessions of the same resource run theirs in their own threads (the
-engine makes each call atomic and thread-safe across sessions). An operation moves PENDING ->
-RUNNING -> COMPLETED | FAILED; expected failures (`OperationError`) keep their code, anything
-else becomes INTERNAL_ERROR and is logged with its traceback.
+Each live session has one queue: its operations run one at a time, in arrival order, while other
+sessions of the same resource run theirs in their own threads (the engine makes each call atomic
+and thread-safe across sessions). A queue holds a thread only while it has work: one starts when
+a job arrives at an idle queue and ends when the queue is empty, so idle sessions cost no thread.
+An operation moves PENDING -> RUNNING -> COMPLETED | FAILED; expected failures (`OperationError`)
+keep their code, anything else becomes INTERNAL_ERROR and is logged with its traceback.
+
+A status the catalogue cannot take (its disk is full) is kept in memory and served from there,
+so a client polling an operation still sees it finish; it is written once space is freed
+(`OperationLog.flush`, run by the worker's periodic sweep).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from trainer.api.errors import is_disk_full
 from trainer.api.store import (
     OP_COMPLETED,
     OP_FAILED,
@@ -48,10 +54,10 @@ class Job:
 
 
 class SessionQueue:
-    """One thread running one session's jobs in order.
+    """One session's jobs, run in order by a thread that lives only while there is work.
 
-    `finish` runs the job and records its outcome; `on_idle` is called after each job (activity
-    and session-state bookkeeping); `on_closed` runs once, in the thread, after `close()`.
+    `finish` runs the job and records its outcome; `on_closed` runs once, in a queue thread,
+    after `close()` and after the running job (if any) is done.
     """
 
     def __init__(
@@ -63,13 +69,12 @@ class SessionQueue:
         self.session_id = session_id
         self._finish = finish
         self._on_closed = on_closed
-        self._queue: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
-        self._pending: list[Job] = []
+        self._pending: deque[Job] = deque()
+        self._thread: threading.Thread | None = None  # the one draining the queue, if any
+        self._finished = threading.Event()  # on_closed has run
         self.running: Job | None = None
         self.closed = False
-        self._thread = threading.Thread(target=self._loop, name=f"ops-{session_id}", daemon=True)
-        self._thread.start()
 
     @property
     def busy(self) -> bool:
@@ -82,7 +87,7 @@ class SessionQueue:
             if self.closed:
                 return False
             self._pending.append(job)
-        self._queue.put(job)
+            self._start_thread()
         return True
 
     def close(self) -> list[Job]:
@@ -91,23 +96,32 @@ class SessionQueue:
             if self.closed:
                 return []
             self.closed = True
-            cancelled, self._pending = self._pending, []
-        self._queue.put(None)
+            cancelled = list(self._pending)
+            self._pending.clear()
+            self._start_thread()  # an idle queue still needs a thread to run on_closed
         return cancelled
 
     def join(self, timeout: float | None) -> bool:
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        """Wait until the queue is closed and drained (`on_closed` has run)."""
+        return self._finished.wait(timeout)
 
-    def _loop(self) -> None:
+    def _start_thread(self) -> None:
+        """With `_lock` held: start a draining thread unless one is running."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._drain, name=f"ops-{self.session_id}", daemon=True
+            )
+            self._thread.start()
+
+    def _drain(self) -> None:
         while True:
-            job = self._queue.get()
-            if job is None:
-                break
             with self._lock:
-                if job not in self._pending:  # cancelled by close()
-                    continue
-                self._pending.remove(job)
+                if not self._pending:
+                    if not self.closed:
+                        self._thread = None  # idle: the next submit starts a new thread
+                        return
+                    break  # closed and drained: run on_closed
+                job = self._pending.popleft()
                 self.running = job
             try:
                 self._finish(job)
@@ -117,7 +131,10 @@ class SessionQueue:
                 with self._lock:
                     self.running = None
                 job.done.set_result(None)
-        self._on_closed()
+        try:
+            self._on_closed()
+        finally:
+            self._finished.set()
 
 
 class OperationLog:
@@ -127,6 +144,8 @@ class OperationLog:
         self.store = store
         self.futures: dict[str, Future[None]] = {}
         self.closed = False
+        self._unrecorded: dict[str, dict[str, Any]] = {}  # op id -> changes not yet written
+        self._lock = threading.Lock()
 
     def create(self, session_id: str, kind: str, key: str, body_hash: str) -> OperationRow:
         now = time.time()
@@ -143,14 +162,54 @@ class OperationLog:
         self.store.insert(row)
         return row
 
+    def view(self, row: OperationRow) -> OperationRow:
+        """`row` as the catalogue has it, with any change it could not take yet applied."""
+        with self._lock:
+            changes = self._unrecorded.get(row.id)
+        return replace(row, **changes) if changes else row
+
+    def _record(self, op_id: str, **changes: Any) -> None:
+        """Write a status change; on a full disk keep it in memory until `flush`."""
+        changes["updated_at"] = time.time()
+        with self._lock:
+            changes = {**self._unrecorded.pop(op_id, {}), **changes}
+        try:
+            self.store.update(OperationRow, op_id, **changes)
+        except Exception as exc:
+            if not is_disk_full(exc):
+                raise
+            log.error("op %s: the catalogue is full; its status is kept in memory", op_id)
+            with self._lock:
+                self._unrecorded[op_id] = {**changes, **self._unrecorded.get(op_id, {})}
+
+    def flush(self) -> int:
+        """Write the changes a full disk refused; returns how many operations are still
+        unwritten."""
+        with self._lock:
+            waiting = list(self._unrecorded)
+        for op_id in waiting:
+            with self._lock:
+                changes = self._unrecorded.pop(op_id, None)
+            if changes is None:
+                continue
+            try:
+                self.store.update(OperationRow, op_id, **changes)
+            except Exception as exc:  # still full (or another storage error): keep it
+                with self._lock:  # a newer change recorded meanwhile wins
+                    self._unrecorded[op_id] = {**changes, **self._unrecorded.get(op_id, {})}
+                if not is_disk_full(exc):
+                    log.exception("op %s: writing its status failed", op_id)
+        with self._lock:
+            return len(self._unrecorded)
+
     def fail(self, op_id: str, code: str, message: str) -> None:
         if not self.closed:
-            self.store.update(OperationRow, op_id, status=OP_FAILED, error=op_error(code, message))
+            self._record(op_id, status=OP_FAILED, error=op_error(code, message))
 
     def run(self, job: Job, postprocess: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
         if self.closed:
             return
-        self.store.update(OperationRow, job.op_id, status=OP_RUNNING)
+        self._record(job.op_id, status=OP_RUNNING)
         started = time.perf_counter()
         try:
             output = postprocess(job.call())
@@ -163,5 +222,5 @@ class OperationLog:
             self.fail(job.op_id, "INTERNAL_ERROR", f"internal error: {type(exc).__name__}: {exc}")
             return
         if not self.closed:
-            self.store.update(OperationRow, job.op_id, status=OP_COMPLETED, output=output)
+            self._record(job.op_id, status=OP_COMPLETED, output=output)
         log.info("op %s %s done in %.3fs", job.kind, job.op_id, time.perf_counter() - started)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+import numpy as np
+from pydantic import Field, field_validator, model_validator
 
 from trainer.api.errors import ApiError, bad_request
 from trainer.specs import (
@@ -47,6 +48,24 @@ _INPUT_DTYPES: dict[str, tuple[str, ...]] = {
 
 class CreateResourceBody(ResourceSpec):
     """POST /rl/model-resources (and estimate-cost)."""
+
+    @field_validator("optimizer_config")
+    @classmethod
+    def _adam_has_no_fields(cls, value: dict[str, Any]) -> dict[str, Any]:
+        """AdamConfig has no fields: a setting in it would be stored and silently ignored."""
+        adam = value.get("adam")
+        if adam is None:
+            return {**value, "adam": {}}
+        if not isinstance(adam, dict):
+            raise ValueError("optimizer_config.adam must be an object ({})")
+        if adam:
+            names = ", ".join(f"optimizer_config.adam.{k}" for k in sorted(adam))
+            raise ValueError(
+                f"unknown field(s) {names}: the resource's AdamConfig has no fields; per-step "
+                "AdamW settings (learning_rate, beta1, beta2, eps, weight_decay, grad_clip_norm) "
+                "go in each optim-step's adam_params"
+            )
+        return value
 
 
 class ExtendExpiryBody(Spec):
@@ -175,7 +194,12 @@ def check_samples(
                     f"{field}: {len(tensor.data)} values for {len(tokens)} model_input tokens",
                     field,
                 )
-        if any(int(t) < 0 for t in inputs["target_tokens"].data):
+        targets = inputs["target_tokens"].data
+        if (
+            bool((targets < 0).any())  # a packed array (large bodies)
+            if isinstance(targets, np.ndarray)
+            else any(int(t) < 0 for t in targets)
+        ):
             raise bad_request(
                 f"{where}.loss_fn_inputs.target_tokens: negative token id",
                 f"{where}.loss_fn_inputs.target_tokens",

@@ -1,22 +1,26 @@
 """Model-resource lifecycle: background load, inactivity expiry, stop.
 
 PENDING (recorded) -> CREATING (loading the model in a thread) -> READY, or ERROR with
-`MODEL_RESOURCES_ERROR_CODE_PROVISIONING_FAILED` and the loader's message. A READY resource
+`MODEL_RESOURCES_ERROR_CODE_PROVISIONING_FAILED` and the loader's message. `loaded` resolves
+once the load has settled either way (the create route waits on it, bounded). A READY resource
 stops on its own once `expires_at` (last activity + `inactive_timeout`, never moving earlier)
-has passed with no operation running; its sessions then show EXPIRED.
+has passed with no operation running; its sessions then show EXPIRED. At most `max_resources`
+are live at once (each holds its own copy of its model): one more is refused with a 400.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from trainer.api.engine import EngineResource
-from trainer.api.errors import bad_request, failed_precondition
+from trainer.api.errors import ApiError, bad_request, failed_precondition
 from trainer.api.store import (
     RES_CREATING,
     RES_ERROR,
@@ -38,6 +42,11 @@ def error_body(code: str, message: str) -> dict[str, object]:
     return {"code": code, "message": message, "occurred_at": time.time()}
 
 
+def at_capacity(message: str, param: str) -> ApiError:
+    """A cap is reached: a 400 (not retried by the SDK) naming the field and the cap."""
+    return ApiError(400, f"{param}: {message}", param=param, code="resource_at_capacity")
+
+
 @dataclass
 class LiveResource:
     """A resource this process has (or is loading): its engine object and activity clock."""
@@ -49,6 +58,7 @@ class LiveResource:
     expires_at: float = 0.0
     stopped: bool = False
     ready: threading.Event = field(default_factory=threading.Event)
+    loaded: Future[None] = field(default_factory=Future)  # resolves with `ready`
 
     def touch(self, now: float) -> float:
         self.expires_at = max(self.expires_at, now + self.spec.inactive_timeout)
@@ -62,11 +72,13 @@ class ResourceManager:
         checkpoints: CheckpointStore,
         loader: Loader,
         device: str | None,
+        max_resources: int = 8,
     ) -> None:
         self.store = store
         self.checkpoints = checkpoints
         self.loader = loader
         self.device = device
+        self.max_resources = max_resources
         self.live: dict[str, LiveResource] = {}
         self.lock = threading.RLock()
 
@@ -96,9 +108,16 @@ class ResourceManager:
             created_at=now,
             updated_at=now,
         )
-        self.store.insert(row)
         live = LiveResource(id=row.id, entry=entry, spec=spec)
-        with self.lock:
+        with self.lock:  # the count and the insert together: concurrent creates cannot overshoot
+            if len(self.live) >= self.max_resources:
+                raise at_capacity(
+                    f"cannot load {entry.name!r}: this worker already holds {len(self.live)} "
+                    "live model resources "
+                    f"(max_resources {self.max_resources}, RESOURCE_AT_CAPACITY); stop one first",
+                    "base_model",
+                )
+            self.store.insert(row)
             self.live[row.id] = live
         threading.Thread(
             target=self._load, args=(live,), name=f"load-{row.id}", daemon=True
@@ -108,7 +127,7 @@ class ResourceManager:
     def _load(self, live: LiveResource) -> None:
         with self.lock:
             if live.stopped:
-                live.ready.set()
+                _settle(live)
                 return
             self.store.update(ResourceRow, live.id, status=RES_CREATING)
         started = time.perf_counter()
@@ -129,15 +148,19 @@ class ResourceManager:
                         f"{type(exc).__name__}: {exc}",
                     ),
                 )
-            live.ready.set()
+            _settle(live)
             return
         with self.lock:
             if live.stopped:  # stopped while loading: release at once
                 engine.close()
-                live.ready.set()
+                _settle(live)
                 return
             live.engine = engine
             expires_at = live.touch(time.time())
+        # The model and the modules its load imported live as long as the resource: out of
+        # the cyclic collector's full scans, as at start-up (`server.freeze_long_lived`). The
+        # engine frees by reference counting when released.
+        gc.freeze()
         self.store.update(ResourceRow, live.id, status=RES_READY, expires_at=expires_at)
         log.info(
             "resource %s ready: %s in %.1fs",
@@ -145,7 +168,7 @@ class ResourceManager:
             live.entry.name,
             time.perf_counter() - started,
         )
-        live.ready.set()
+        _settle(live)
 
     def get_live(self, resource_id: str) -> LiveResource | None:
         with self.lock:
@@ -194,3 +217,10 @@ class ResourceManager:
             elif now >= live.expires_at:
                 out.append(live.id)
         return out
+
+
+def _settle(live: LiveResource) -> None:
+    """The load is over (READY, ERROR or stopped): wake whoever waits on it."""
+    live.ready.set()
+    if not live.loaded.done():
+        live.loaded.set_result(None)

@@ -7,6 +7,7 @@ Blocking calls (engine work, joins) are made from worker threads, never the even
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -14,17 +15,19 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from trainer.api.config import ServeConfig
 from trainer.api.engine import EngineResource, EngineSession, load_resource
 from trainer.api.errors import bad_request, failed_precondition, not_found
 from trainer.api.ids import SAFE_ID, check_resume_location, is_safe_id
-from trainer.api.ops import Job, OperationLog, SessionQueue
+from trainer.api.ops import Job, OperationLog, SessionQueue, op_error
 from trainer.api.payloads import PayloadStore, offload_result
 from trainer.api.requests import CreateSessionBody, check_lora, merge_metadata
-from trainer.api.resources import Loader, ResourceManager, error_body
+from trainer.api.resources import Loader, ResourceManager, at_capacity, error_body
 from trainer.api.store import (
+    OP_FAILED,
     RES_ERROR,
     RES_READY,
     RES_STOPPED,
@@ -42,7 +45,7 @@ from trainer.api.store import (
 )
 from trainer.checkpoints import CheckpointStore
 from trainer.errors import OperationError
-from trainer.specs import LoraConfig, ResourceSpec, SessionSpec
+from trainer.specs import LoraConfig, ModelEntry, ResourceSpec, SessionSpec
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,29 @@ def _check_ident(ident: str | None) -> None:
     """Caller-chosen ids (preloads) become file names: keep them to a safe alphabet."""
     if ident is not None and not is_safe_id(ident):
         raise bad_request(f"id: {ident!r} must match {SAFE_ID.pattern}", "id")
+
+
+def _check_adapter_rank(location: str, entry: ModelEntry) -> None:
+    """A local PEFT adapter's rank against the limit before anything is recorded (a hub
+    adapter is checked by the engine once downloaded)."""
+    field = "resume_from_hf_checkpoint"
+    config = Path(location).expanduser() / "adapter_config.json"
+    try:
+        rank = json.loads(config.read_text()).get("r")
+    except (OSError, ValueError, AttributeError):
+        return  # not a local adapter (or unreadable): the engine reports it
+    if isinstance(rank, int) and rank > entry.max_lora_rank:
+        raise bad_request(
+            f"{field}: the adapter at {location!r} has LoRA rank {rank}, over max_lora_rank "
+            f"{entry.max_lora_rank} of {entry.name}",
+            field,
+        )
+
+
+def _effective_lora(session: EngineSession, fallback: Any) -> Any:
+    """The LoRA config the session trains with (a resumed checkpoint's own, not the request's)."""
+    config = getattr(getattr(session, "policy", None), "config", None)
+    return config.model_dump(mode="json") if isinstance(config, LoraConfig) else fallback
 
 
 @dataclass
@@ -66,24 +92,36 @@ class LiveSession:
 
 class Worker:
     def __init__(self, config: ServeConfig, loader: Loader = load_resource) -> None:
+        from trainer.model import resolve_context_limit
+
         config.storage.mkdir(parents=True, exist_ok=True)
+        # each model's own context length (or a smaller configured one) is its max_seq_length
+        config.models = [resolve_context_limit(m) for m in config.models]
         self.config = config
         self.store = WorkerStore(config.storage / "worker.sqlite")
         self.store.recover(time.time())
         self.checkpoints = CheckpointStore(config.storage)
         self.payloads = PayloadStore(config.storage / "payloads", config.max_payload_bytes)
-        self.resources = ResourceManager(self.store, self.checkpoints, loader, config.device)
+        self.resources = ResourceManager(
+            self.store, self.checkpoints, loader, config.device, config.max_resources
+        )
         self.oplog = OperationLog(self.store)
         self.sessions: dict[str, LiveSession] = {}
         self.lock = threading.RLock()
         self.draining = False
         self._stop_requested: set[str] = set()
+        self.abandoned: list[str] = []  # ops still running when shutdown gave up on them
 
     # -- resources -------------------------------------------------------------------------
 
     def create_resource(self, spec: ResourceSpec, ident: str | None = None) -> ResourceRow:
         _check_ident(ident)
         return self.resources.create(spec, self.config.models, ident)
+
+    def resource_loaded(self, resource_id: str) -> Future[None] | None:
+        """Resolves once the resource's load has settled (None: it has settled already)."""
+        live = self.resources.get_live(resource_id)
+        return None if live is None else live.loaded
 
     def resource(self, resource_id: str) -> ResourceRow:
         row = self.store.get(ResourceRow, resource_id)
@@ -114,7 +152,9 @@ class Worker:
         return self.resource(resource_id)
 
     def sweep(self, now: float) -> list[str]:
-        """Stop resources idle past `expires_at`; their sessions become EXPIRED."""
+        """Stop resources idle past `expires_at`; their sessions become EXPIRED. Also writes
+        the operation statuses that a full disk refused, once it can."""
+        self.oplog.flush()
         expired = self.resources.expired(now, self._resource_busy)
         for resource_id in expired:
             log.info("resource %s expired after inactivity", resource_id)
@@ -161,25 +201,26 @@ class Worker:
                 "model_resources_id",
             )
         lora_enabled = live_res.spec.lora_enabled
-        check_lora(body.lora_config, live_res.entry, lora_enabled)
-        if not lora_enabled and any(
-            s.status in SES_LIVE for s in self.store.sessions_of(res_row.id)
-        ):
-            raise failed_precondition(
-                f"model_resources_id: full-weight resource {res_row.id} already hosts its one "
-                "session (RESOURCE_AT_CAPACITY)",
-                "model_resources_id",
-            )
-        if (
-            body.resume_from_checkpoint_id
-            and self.checkpoints.get(body.resume_from_checkpoint_id) is None
-        ):
-            raise not_found(
-                "checkpoint", body.resume_from_checkpoint_id, "resume_from_checkpoint_id"
-            )
+        resuming = bool(body.resume_from_checkpoint_id or body.resume_from_hf_checkpoint)
+        if not (resuming and lora_enabled):  # a resumed LoRA session keeps its checkpoint's
+            check_lora(body.lora_config, live_res.entry, lora_enabled)
+        if body.resume_from_checkpoint_id:
+            field = "resume_from_checkpoint_id"
+            record = self.checkpoints.get(body.resume_from_checkpoint_id)
+            if record is None:
+                raise not_found("checkpoint", body.resume_from_checkpoint_id, field)
+            limit = live_res.entry.max_lora_rank
+            if lora_enabled and record.lora_rank is not None and record.lora_rank > limit:
+                raise bad_request(
+                    f"{field}: checkpoint {record.id} has LoRA rank {record.lora_rank}, over "
+                    f"max_lora_rank {limit} of {live_res.entry.name}",
+                    field,
+                )
         if body.resume_from_hf_checkpoint:
             roots = [self.config.storage, *self.config.resume_roots]
             check_resume_location(body.resume_from_hf_checkpoint, roots)
+            if lora_enabled:
+                _check_adapter_rank(body.resume_from_hf_checkpoint, live_res.entry)
         _check_ident(ident)
         if ident is not None and self.store.get(SessionRow, ident) is not None:
             raise failed_precondition(f"training session {ident!r} already exists", "id")
@@ -197,9 +238,12 @@ class Worker:
             updated_at=now,
             display_name=body.display_name or None,
             metadata=body.metadata.model_dump(mode="json", exclude_none=True),
-            lora_config=lora.model_dump(mode="json") if lora is not None else None,
+            # a resumed session's config is its checkpoint's: known once it is open
+            lora_config=lora.model_dump(mode="json") if lora is not None and not resuming else None,
         )
-        self.store.insert(row)
+        with self.lock:  # the count and the insert together: concurrent creates cannot overshoot
+            self._check_capacity(res_row.id, lora_enabled)
+            self.store.insert(row)
         self.resources.touch(res_row.id)
         future: Future[SessionRow] = Future()
         engine = live_res.engine
@@ -210,6 +254,23 @@ class Worker:
             daemon=True,
         ).start()
         return row.id, future
+
+    def _check_capacity(self, resource_id: str, lora_enabled: bool) -> None:
+        live = sum(s.status in SES_LIVE for s in self.store.sessions_of(resource_id))
+        field = "model_resources_id"
+        if not lora_enabled and live:
+            raise failed_precondition(
+                f"{field}: full-weight resource {resource_id} already hosts its one "
+                "session (RESOURCE_AT_CAPACITY)",
+                field,
+            )
+        cap = self.config.max_sessions_per_resource
+        if live >= cap:
+            raise at_capacity(
+                f"model resource {resource_id} already hosts {live} live sessions "
+                f"(max_sessions_per_resource {cap}, RESOURCE_AT_CAPACITY); stop one first",
+                field,
+            )
 
     def _open_session(
         self,
@@ -258,6 +319,7 @@ class Worker:
             status=SES_RUNNING,
             step=int(session.step),
             policy_state=dict(session.policy_state()),
+            lora_config=_effective_lora(session, self.session(session_id).lora_config),
         )
         log.info("session %s running on %s", session_id, resource_id)
         live_res = self.resources.get_live(resource_id)
@@ -334,7 +396,11 @@ class Worker:
         row = self.store.get(OperationRow, op_id)
         if row is None or row.session_id != session_id or row.kind != kind:
             raise not_found(f"{kind} operation", op_id, "operation_id")
-        return row
+        return self.oplog.view(row)
+
+    def op_by_key(self, session_id: str, idem_key: str) -> OperationRow | None:
+        row = self.store.op_by_key(session_id, idem_key)
+        return None if row is None else self.oplog.view(row)
 
     def submit(
         self, session_id: str, kind: str, key: str, body_hash: str, call: EngineCall
@@ -377,20 +443,26 @@ class Worker:
     # -- shutdown --------------------------------------------------------------------------
 
     def shutdown(self, grace_s: float) -> None:
-        """No new operations; queued ones fail; the running ones get `grace_s` to finish."""
+        """No new operations; queued ones fail; the running ones get `grace_s` to finish.
+
+        One still running then is abandoned: recorded FAILED (a late finish records nothing
+        more) and listed in `abandoned`, its thread still computing. The server then exits
+        without interpreter teardown, which would abort under a thread inside torch.
+        """
         self.draining = True
         with self.lock:
             lives = list(self.sessions.values())
         self._close_sessions([self.session(s.id) for s in lives], SES_STOPPED, grace_s)
+        self.oplog.closed = True
+        self.oplog.flush()  # statuses a full disk held back, if it has room now
         for live in lives:
             running = live.queue.running
             if running is not None:
                 log.warning("abandoning op %s %s at shutdown", running.kind, running.op_id)
-                self.oplog.fail(
-                    running.op_id, "SESSION_NOT_ACTIVE", "the worker shut down while it ran"
-                )
+                self.abandoned.append(running.op_id)
+                error = op_error("SESSION_NOT_ACTIVE", "the worker shut down while it ran")
+                self.store.update(OperationRow, running.op_id, status=OP_FAILED, error=error)
                 self.store.update(SessionRow, live.id, status=SES_STOPPED)
-        self.oplog.closed = True
         for resource_id in list(self.resources.live):
             if not self._resource_busy(resource_id):
                 self.resources.release(resource_id)
