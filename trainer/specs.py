@@ -13,14 +13,34 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
+import numpy as np
 from pydantic import (
+    AfterValidator,
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     field_validator,
     model_validator,
 )
+
+from trainer.arrays import (
+    ArrayOrList,
+    IntArray,
+    NumArray,
+    as_int64,
+    check_finite,
+    tensor_values,
+)
+from trainer.values import (
+    MAX_LORA_ALPHA,
+    MIN_TEMPERATURE,
+    PATH_MAX,
+    IntLike,
+    Seed,
+    check_location,
+    check_temperature,
+)
+from trainer.values import int_from_str as _int_from_str
 
 
 class Spec(BaseModel):
@@ -35,21 +55,6 @@ class StrictSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-def _int_from_str(value: Any) -> Any:
-    """Protobuf int64 fields arrive as JSON strings; accept "12" as 12, refuse "1.5"."""
-    if isinstance(value, str):
-        text = value.strip()
-        if not text or not text.lstrip("-").isdigit():
-            raise ValueError(f"expected an integer, got {value!r}")
-        return int(text)
-    if isinstance(value, bool):
-        raise ValueError("expected an integer, got a boolean")
-    return value
-
-
-IntLike = Annotated[int, BeforeValidator(_int_from_str)]
-
-
 # --------------------------------------------------------------------------------------------
 # Tensors and samples
 # --------------------------------------------------------------------------------------------
@@ -58,7 +63,10 @@ IntLike = Annotated[int, BeforeValidator(_int_from_str)]
 class TensorData(Spec):
     """A 1-D tensor as flat JSON numbers. Token ids may be strings (protobuf int64)."""
 
-    data: list[float | int | str]
+    # a list, or the int64/float64 array a large body was packed into (`trainer.arrays`)
+    data: Annotated[
+        list[float | int | str] | NumArray, ArrayOrList(list[float | int | str], "numbers")
+    ]
     dtype: Literal["int64", "float32"]
     shape: list[int] | None = None
     sparse_crow_indices: list[int] | None = None
@@ -72,6 +80,9 @@ class TensorData(Spec):
             raise ValueError(
                 f"shape must be [len(data)] = [{len(self.data)}] (1-D only), got {self.shape}"
             )
+        if isinstance(self.data, np.ndarray):
+            self.data = tensor_values(self.data, self.dtype)
+            return self
         converted: list[float | int | str] = []
         for i, value in enumerate(self.data):
             if self.dtype == "int64":
@@ -90,7 +101,7 @@ class TensorData(Spec):
 
 
 class EncodedTextChunk(Spec):
-    tokens: list[IntLike]
+    tokens: Annotated[list[IntLike] | IntArray, ArrayOrList(list[IntLike], "ints")]
 
 
 class ModelInputChunk(Spec):
@@ -111,8 +122,15 @@ class ModelInput(Spec):
         out: list[int] = []
         for chunk in self.chunks:
             assert chunk.encoded_text is not None
-            out.extend(chunk.encoded_text.tokens)
+            tokens = chunk.encoded_text.tokens
+            out.extend(tokens.tolist() if isinstance(tokens, np.ndarray) else tokens)
         return out
+
+    def token_array(self) -> IntArray:
+        """The tokens as one int64 array, without a Python int per token for packed chunks
+        (OverflowError for a listed int past int64)."""
+        parts = [as_int64(chunk.encoded_text.tokens) for chunk in self.chunks if chunk.encoded_text]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 class Sample(Spec):
@@ -122,12 +140,15 @@ class Sample(Spec):
 
 
 class Gradient(Spec):
-    data: list[float]
+    data: Annotated[list[float] | NumArray, ArrayOrList(list[float], "floats")]
     dtype: Literal["D_TYPE_UNSPECIFIED", "D_TYPE_FLOAT32", "D_TYPE_BFLOAT16"] = "D_TYPE_FLOAT32"
 
     @field_validator("data")
     @classmethod
-    def _finite(cls, value: list[float]) -> list[float]:
+    def _finite(cls, value: list[float] | NumArray) -> list[float] | NumArray:
+        if isinstance(value, np.ndarray):
+            check_finite(value)
+            return value
         for i, number in enumerate(value):
             if not math.isfinite(number):
                 raise ValueError(f"data[{i}] is not finite")
@@ -280,19 +301,26 @@ class AdamParams(Spec):
 
 class LoraConfig(Spec):
     rank: int = Field(default=32, ge=1)
-    alpha: int = Field(default=64, ge=1)
+    alpha: int = Field(
+        default=64, ge=1, le=MAX_LORA_ALPHA, description="LoRA scale numerator (alpha/rank)"
+    )
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-    seed: IntLike | None = None
+    seed: Seed | None = None
     train_unembed: bool = True
 
 
 class SamplingParams(Spec):
     max_tokens: int = Field(default=100, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
+    temperature: Annotated[float, AfterValidator(check_temperature)] = Field(
+        default=1.0,
+        ge=0.0,
+        allow_inf_nan=False,
+        description=f"0 samples greedily; otherwise at least {MIN_TEMPERATURE}",
+    )
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, ge=-1)
     stop: list[str] = Field(default_factory=list)
-    seed: IntLike | None = None
+    seed: Seed | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -342,23 +370,52 @@ class ResourceSpec(Spec):
         return value
 
 
+_NAME = Field(default=None, max_length=256)
+
+
 class WandbMetadata(Spec):
-    entity: str | None = None
-    project: str | None = None
-    group: str | None = None
-    run_id: str | None = None
-    run_name: str | None = None
-    url: str | None = None
+    """The SDK's `WandbMetadata`: these six strings and no others ("" clears one in a PATCH)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    entity: str | None = _NAME
+    project: str | None = _NAME
+    group: str | None = _NAME
+    run_id: str | None = _NAME
+    run_name: str | None = _NAME
+    url: str | None = Field(default=None, max_length=2048, description="http(s) URL of the run")
+
+    @field_validator("entity", "project", "group", "run_id", "run_name", "url")
+    @classmethod
+    def _printable(cls, value: str | None) -> str | None:
+        if value is not None and not value.isprintable():
+            raise ValueError("control characters are not allowed")
+        return value
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, value: str | None) -> str | None:
+        if value and not value.startswith(("https://", "http://")):
+            raise ValueError('must be an http(s) URL (or "" to clear it)')
+        return value
 
 
 class SessionMetadata(Spec):
+    """The SDK's `SessionMetadata`: only `wandb` exists; an unknown key is refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
     wandb: WandbMetadata | None = None
 
 
 class SessionSpec(Spec):
     lora_config: LoraConfig | None = None
     resume_from_checkpoint_id: str | None = None
-    resume_from_hf_checkpoint: str | None = None
+    resume_from_hf_checkpoint: Annotated[str | None, AfterValidator(check_location)] = Field(
+        default=None,
+        max_length=PATH_MAX,
+        description="hub id (org/name, hf://org/name) or a local directory the worker may read",
+    )
     load_optimizer: bool | None = None
     display_name: str | None = Field(default=None, max_length=128)
     metadata: SessionMetadata = Field(default_factory=SessionMetadata)

@@ -143,3 +143,44 @@ def test_patch_metadata_semantics() -> None:
         "wandb": {"run_id": "r", "group": "g"}
     }
     assert merge_metadata(current, {}) == current
+
+
+def test_token_and_signature_checks_are_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both credentials are compared with `hmac.compare_digest` (its time does not depend on
+    where the first differing byte is): a plain `==` would leak the token byte by byte."""
+    import asyncio
+    import hmac
+
+    from starlette.requests import Request
+
+    from trainer.api.auth import BearerAuth
+
+    compared: list[tuple[bytes | str, bytes | str]] = []
+    real = hmac.compare_digest
+
+    def spy(a: bytes | str, b: bytes | str) -> bool:
+        compared.append((a, b))
+        return real(a, b)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(hmac, "compare_digest", spy)
+    auth = BearerAuth("s3cret-token")
+    for given, ok in (("s3cret-token", True), ("s3cret-tokem", False)):
+        scope = {
+            "type": "http",
+            "headers": [(b"authorization", f"Bearer {given}".encode())],
+        }
+        if ok:
+            asyncio.run(auth(Request(scope)))
+        else:
+            with pytest.raises(ApiError) as refused:
+                asyncio.run(auth(Request(scope)))
+            assert refused.value.status == 401
+    assert compared == [(b"s3cret-token", b"s3cret-token"), (b"s3cret-tokem", b"s3cret-token")]
+
+    compared.clear()
+    signer = UrlSigner(secret=b"k" * 32)
+    url = signer.sign("http://h", "GET", "/f")
+    query = dict(part.split("=", 1) for part in url.split("?", 1)[1].split("&"))
+    assert signer.verify("GET", "/f", query["expires"], query["sig"]) is None
+    assert signer.verify("GET", "/f", query["expires"], "0" * 64) is not None
+    assert len(compared) == 2

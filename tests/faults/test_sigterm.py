@@ -18,7 +18,9 @@ from tests.faults.procs import (
     forked_worker,
     new_resource,
     new_session,
+    output,
     post_op,
+    serve_child,
     terminate,
 )
 
@@ -110,3 +112,76 @@ def test_sigterm_during_checkpoint_writes(
         for ckpt in sorted(listed):  # each one that is listed resumes
             resumed = new_session(http, rid, resume_from_checkpoint_id=ckpt)
             assert http.post(f"/rl/training-sessions/{resumed}/stop").status_code == 200
+
+
+@pytest.fixture(scope="module")
+def model_17m(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 17 M-parameter Qwen3 (vocab 8192, hidden 512, 4 layers): one forward-backward of 8 x
+    512 tokens takes many seconds on a CPU core, far past a 1 s grace."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        eos_token_id=1,
+        bos_token_id=0,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    assert 15e6 < sum(p.numel() for p in model.parameters()) < 25e6
+    out = tmp_path_factory.mktemp("qwen3-17m")
+    model.save_pretrained(out)
+    return out
+
+
+def test_sigterm_past_the_grace_exits_0_in_a_real_process(model_17m: Path, tmp_path: Path) -> None:
+    """A real `python -m trainer serve` child (not a fork-server child, which ends with
+    `os._exit` whatever happens): SIGTERM while a long forward-backward computes, grace 1 s.
+    The interpreter used to tear down under the compute thread and die by SIGABRT ("terminate
+    called without an active exception"). Now: exit 0, the abandoned op FAILED, the queued op
+    FAILED, and what completed before (a step, a checkpoint) intact and resumable."""
+    models = {"m": model_17m}
+    storage, _, _, *extra = _start(tmp_path, models, 1.0, "first")
+    with serve_child(storage, models, *extra, log_path=tmp_path / "first.log") as worker:
+        with worker.client() as http:
+            sid = new_session(http, new_resource(http, "m"), lora_config={"rank": 4, "seed": 0})
+            assert output(http, sid, "forward-backward", ce_batch(0, 1, 16, vocab=8192))
+            assert output(http, sid, "optim-step", {})["step"] == 1
+            ckpt = output(http, sid, "training-checkpoint")["checkpoint"]["id"]
+            running = post_op(http, sid, "forward-backward", ce_batch(1, 8, 512, vocab=8192))
+            queued = post_op(http, sid, "optim-step", {})
+            _wait_running(http, sid, "forward-backward", running["id"])
+            time.sleep(0.3)  # well inside the computation
+        code, took = worker.terminate(timeout=60)
+    log = worker.log()
+    assert code == 0, log
+    assert took < 1.0 + 20, f"exit took {took:.1f}s with a grace of 1s"
+    assert "abandoning op forward-backward" in log and "worker stopped" in log, log
+    assert "terminate called" not in log and "Segmentation" not in log, log
+
+    with (
+        serve_child(storage, models, log_path=tmp_path / "second.log") as again,
+        again.client() as http,
+    ):
+        session = http.get(f"/rl/training-sessions/{sid}").json()
+        assert session["status"] == "TRAINING_SESSION_STATUS_STOPPED"
+        assert session["step"] == 1
+        fb = http.get(f"/rl/training-sessions/{sid}/operations/forward-backward/{running['id']}")
+        assert fb.json()["status"] == FAILED, fb.json()  # it was still computing at the grace
+        assert "shut down while it ran" in fb.json()["error"]["message"]
+        step = http.get(f"/rl/training-sessions/{sid}/operations/optim-step/{queued['id']}")
+        assert step.json()["status"] == FAILED
+        assert step.json()["error"]["code"].endswith("SESSION_NOT_ACTIVE")
+        listed = [c["id"] for c in http.get("/rl/checkpoints").json()["data"]]
+        assert listed == [ckpt]
+        resumed = new_session(http, new_resource(http, "m"), resume_from_checkpoint_id=ckpt)
+        assert http.get(f"/rl/training-sessions/{resumed}").json()["step"] == 1

@@ -15,11 +15,11 @@ from typing import Any
 
 from fastapi import Depends, FastAPI
 from fastapi.concurrency import run_in_threadpool
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from trainer.api import routes_ops, routes_resources, routes_sessions
 from trainer.api.auth import BearerAuth
-from trainer.api.errors import install_handlers
+from trainer.api.errors import ApiError, install_handlers
 from trainer.api.ids import check_path_ids
 from trainer.api.signing import UrlSigner
 from trainer.api.worker import Worker
@@ -44,6 +44,62 @@ class DoubleVersionPrefix:
             scope["path"] = scope["path"][3:]
             scope["raw_path"] = scope["path"].encode()
         await self.app(scope, receive, send)
+
+
+CONTROL_BODY_MAX = 1 << 20
+
+
+class ControlBodyLimit:
+    """Cap the bodies that FastAPI decodes itself at 1 MiB (413), as they arrive.
+
+    The typed-body POSTs (create resource or session, estimate cost, extend expiry, stop) have
+    their body read in full before the token is checked and decoded on the event loop, so an
+    unbounded body there would be memory and a stall for anyone who can connect. They carry a
+    few fields: the middleware reads at most `limit` bytes and replays them to the route.
+    Operation POSTs, PATCH and payload PUTs stream under their own caps (`max_body_bytes`,
+    `max_payload_bytes`) and pass straight through.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int = CONTROL_BODY_MAX) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or "/operations/" in scope["path"]:
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length", b"").decode("latin-1").strip()
+        if declared.isdigit() and (len(declared) > 18 or int(declared) > self.limit):
+            await self._refuse(scope, receive, send)
+            return
+        messages: list[Message] = []
+        size = 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> Message:
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = ApiError(
+            413,
+            f"request body exceeds {self.limit} bytes (this route takes a few fields)",
+            param="body",
+            code="request_too_large",
+        )
+        await error.response()(scope, receive, send)
 
 
 async def _sweep_forever(worker: Worker) -> None:
@@ -77,8 +133,9 @@ def create_app(worker: Worker, token: str | None) -> FastAPI:
         redoc_url=None,
     )
     app.state.worker = worker
-    app.state.signer = UrlSigner(ttl_s=worker.config.signed_url_ttl_s)
+    app.state.signer = UrlSigner.for_storage(worker.config.storage, worker.config.signed_url_ttl_s)
     install_handlers(app)
+    app.add_middleware(ControlBodyLimit)
     app.add_middleware(DoubleVersionPrefix)
     auth = [Depends(BearerAuth(token)), Depends(check_path_ids)]
     for module in (routes_resources, routes_sessions, routes_ops):

@@ -3,12 +3,19 @@
 Every failure a client can cause is a 4xx with a message that names the offending field
 (`param`). Errors are never retried by the official SDK: each carries `x-should-retry: false`
 (its client otherwise retries 409 and 429).
+
+A full disk (SQLite's "database or disk is full", or ENOSPC/EDQUOT from a file write) is the
+server's condition, not the client's: 507 `insufficient_storage`, from one handler for every
+route; the writers clean up their partial files, and the worker serves again once space is
+freed.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import re
+import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +37,7 @@ _TYPES = {
     413: "invalid_request_error",
     422: "invalid_request_error",
     503: "service_unavailable_error",
+    507: "insufficient_storage_error",
 }
 
 
@@ -117,6 +125,22 @@ def from_pydantic(exc: ValidationError, prefix: str = "") -> ApiError:
     return from_validation(exc.errors(include_url=False), prefix)
 
 
+def is_disk_full(exc: BaseException) -> bool:
+    """SQLite's SQLITE_FULL, or a file write's ENOSPC (no space) / EDQUOT (quota)."""
+    if isinstance(exc, sqlite3.OperationalError):
+        code = getattr(exc, "sqlite_errorcode", None)  # Python >= 3.11
+        return code == sqlite3.SQLITE_FULL or "database or disk is full" in str(exc)
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full() -> ApiError:
+    return ApiError(
+        507,
+        "insufficient storage: the worker's disk is full; retry once space is freed",
+        code="insufficient_storage",
+    )
+
+
 def install_handlers(app: FastAPI) -> None:
     async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ApiError)
@@ -132,6 +156,14 @@ def install_handlers(app: FastAPI) -> None:
         param = {400: "body", 404: "path", 405: "method"}.get(exc.status_code)
         return ApiError(exc.status_code, str(exc.detail), param=param, code=code).response()
 
+    async def on_storage(request: Request, exc: Exception) -> JSONResponse:
+        if not is_disk_full(exc):
+            raise exc  # anything else stays a 500, logged with its traceback
+        log.error("%s %s: disk full: %s", request.method, request.url.path, exc)
+        return disk_full().response()
+
     app.add_exception_handler(ApiError, on_api_error)
+    app.add_exception_handler(sqlite3.OperationalError, on_storage)
+    app.add_exception_handler(OSError, on_storage)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)

@@ -43,10 +43,14 @@ def check_resume_location(location: str, roots: list[Path]) -> None:
     """`resume_from_hf_checkpoint` may name a hub repo, or a local directory inside `roots`
     (the storage directory and the configured `resume_roots`), never any other local path."""
     field = "resume_from_hf_checkpoint"
-    path = Path(location).expanduser()
-    if not (location.startswith(_LOCAL_PREFIXES) or path.exists() or ".." in path.parts):
-        return  # a hub id such as org/name (or hf://org/name)
-    resolved = path.resolve()
+    try:  # NUL, names past NAME_MAX, unreadable parents, symlink loops: the client's value
+        path = Path(location).expanduser()
+        if not (location.startswith(_LOCAL_PREFIXES) or path.exists() or ".." in path.parts):
+            return  # a hub id such as org/name (or hf://org/name)
+        resolved = path.resolve()
+    except (OSError, ValueError, RuntimeError) as exc:
+        message = f"{field}: cannot use {location[:200]!r} as a location: {exc}"
+        raise bad_request(message, field) from None
     if not any(resolved.is_relative_to(root.resolve()) for root in roots):
         raise bad_request(
             f"{field}: the local directory {location!r} is outside the directories this worker "

@@ -10,7 +10,13 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
 from pydantic import ValidationError
 
-from trainer.api.errors import ApiError, bad_request, from_pydantic, not_found
+from trainer.api.errors import (
+    ApiError,
+    bad_request,
+    failed_precondition,
+    from_pydantic,
+    not_found,
+)
 from trainer.api.requests import CreateSessionBody, UpdateSessionBody
 from trainer.api.state import (
     base_url,
@@ -20,7 +26,7 @@ from trainer.api.state import (
     verify_signed,
     worker_of,
 )
-from trainer.api.store import ResourceRow, SessionRow
+from trainer.api.store import SES_LIVE, ResourceRow, SessionRow
 from trainer.api.wire import page_json, session_json
 from trainer.api.worker import Worker
 from trainer.errors import OperationError
@@ -42,7 +48,7 @@ PAYLOAD_PATH = "/v1/rl/payloads/{session_id}/{payload_id}"
 async def render(worker: Worker, row: SessionRow) -> dict[str, Any]:
     resource = worker.store.get(ResourceRow, row.resource_id)
     base_model = resource.spec["base_model"] if resource is not None else ""
-    checkpoints = worker.checkpoints.list(session_id=row.id, limit=100_000)
+    checkpoints = worker.checkpoints.list(session_id=row.id, limit=100_000, oldest_first=True)
     live = await run_in_threadpool(worker.live_policy, row.id)
     return session_json(row, base_model, checkpoints, live)
 
@@ -94,15 +100,12 @@ async def update_session(request: Request, session_id: str) -> dict[str, Any]:
     worker.session(session_id)
     raw = await json_object(request, worker.config.max_body_bytes)
     try:
-        UpdateSessionBody.model_validate(raw)
-    except ValidationError as exc:
+        body = UpdateSessionBody.model_validate(raw)
+    except ValidationError as exc:  # unknown metadata keys included: the SDK has no others
         raise from_pydantic(exc) from None
-    metadata = raw.get("metadata")
-    row = worker.update_session(
-        session_id,
-        raw.get("display_name"),
-        metadata if isinstance(metadata, dict) else None,
-    )
+    # only what the client set: omitted fields stay, "" clears (merge_metadata)
+    metadata = body.metadata.model_dump(exclude_unset=True) if body.metadata else None
+    row = worker.update_session(session_id, body.display_name, metadata)
     return await render(worker, row)
 
 
@@ -144,6 +147,12 @@ def _verify(request: Request, method: str) -> None:
 async def put_payload(request: Request, session_id: str, payload_id: str) -> dict[str, Any]:
     _verify(request, "PUT")
     worker = worker_of(request)
+    status = worker.session(session_id).status
+    if status not in SES_LIVE:  # its payloads were deleted when it stopped: keep it that way
+        raise failed_precondition(
+            f"session_id: session {session_id} is {status}; it takes no more payloads",
+            "session_id",
+        )
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > worker.payloads.max_bytes:
         raise ApiError(413, f"payload exceeds {worker.payloads.max_bytes} bytes", code="too_large")

@@ -3,16 +3,21 @@
 uvicorn turns SIGTERM into a graceful shutdown: it stops accepting connections, finishes the
 requests in flight, then runs the app's lifespan exit, where the worker refuses new operations,
 fails queued ones, gives the running ones `shutdown_grace_s` and flushes its catalogue. The
-process then exits 0.
+process then exits 0. An operation that outlived the grace is recorded FAILED while its thread
+is still inside torch: the process then leaves with `os._exit(0)` (logs and stdio flushed)
+instead of tearing the interpreter down under that thread, which aborts (SIGABRT, "terminate
+called without an active exception") or segfaults.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -130,6 +135,7 @@ def serve(config: ServeConfig, log_level: str = "info", loader: Loader | None = 
     under torchrun: `trainer.distributed.resource_loader`, rank 0's SPMD proxies)."""
     token = resolve_token(config)
     worker = Worker(config) if loader is None else Worker(config, loader=loader)
+    freeze_long_lived()
     preload(worker, config.resource_file, config.session_file)
     app = create_app(worker, token)
     log.info(
@@ -142,4 +148,26 @@ def serve(config: ServeConfig, log_level: str = "info", loader: Loader | None = 
     server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level))
     logging.getLogger("uvicorn.access").addFilter(RedactSignatures())
     server.run()
+    if worker.abandoned:
+        exit_now(0, f"{len(worker.abandoned)} abandoned operation(s) still computing")
     return 0
+
+
+def freeze_long_lived() -> None:
+    """Take every object alive now (~0.3 M: modules, classes, functions, which live as long as
+    the process) out of the cyclic collector's scans (`gc.freeze`); a loaded model and the
+    modules its load imported follow (`ResourceManager._load`). A full collection, which a
+    large request body's allocations trigger, then scans only newer objects: it pauses the
+    event loop (and `/healthz`) for milliseconds instead of ~0.4 s."""
+    gc.collect()
+    gc.freeze()
+
+
+def exit_now(code: int, why: str) -> None:
+    """Leave without interpreter teardown: the catalogue is already flushed and closed, but a
+    thread still computes in torch, whose C++ state must not be destroyed under it."""
+    log.warning("exiting now (%s)", why)
+    logging.shutdown()  # flushes every handler
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
