@@ -9,6 +9,7 @@ Modules, from the edge inward:
 - `checkpoint_errors`: storage failures of checkpoint writes as operation errors;
 - `worker`, `resources`, `ops`, `payloads`, `store`: lifecycles, per-session FIFO queues,
   large-payload files and the SQLite catalogue;
+- `bodies`: request bodies read off the event loop, large ones parsed in a child process;
 - `engine`: the protocols the engine (`trainer.resource` / `trainer.session`) satisfies;
 - `config`, `server`: settings of `trainer serve` and the process around the app.
 """

@@ -3,30 +3,51 @@
 The SDK uploads a request body over 0.5 MiB to a signed upload URL and sends `payload_id` in a
 shrunk inline body; the server reads the real body back here. Results too large to answer
 inline are written here and returned as `payload_id`, which the SDK downloads and merges.
-Files are deleted when their session stops.
+
+Every write goes to its own temporary file, renamed into place once complete: concurrent or
+retried PUTs to one upload URL never mix (the last complete upload wins), and a write that
+fails (full disk, too large, cut off) leaves nothing behind. Files are deleted when their
+session stops, and no write lands after that; at start-up (no session is live then) whatever
+the last run left is swept.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from trainer.api.errors import ApiError, bad_request
+from fastapi.concurrency import run_in_threadpool
+
+from trainer.api.bodies import BodyParser, api_error
+from trainer.api.errors import ApiError, bad_request, failed_precondition
+from trainer.errors import OperationError
+from trainer.jsonparse import BodyError
 
 _ID = re.compile(r"^pl_[0-9a-f]{32}$")
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class PayloadStore:
     def __init__(self, root: Path, max_bytes: int) -> None:
         self.root = root
         self.max_bytes = max_bytes
+        self._lock = threading.Lock()  # orders renames into a session's directory vs its drop
+        self._dropped: set[str] = set()
+        self.parser = BodyParser(root.parent / "bodies")  # spooled bodies, parsed off the GIL
         root.mkdir(parents=True, exist_ok=True)
+        for stale in root.iterdir():  # no session is live at start-up: all of it is stale
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
 
     def new_id(self) -> str:
         return f"pl_{uuid.uuid4().hex}"
@@ -36,36 +57,63 @@ class PayloadStore:
             raise bad_request(f"payload_id: malformed id {payload_id!r}", "payload_id")
         return self.root / session_id / f"{payload_id}.json"
 
+    def _refuse_if_dropped(self, session_id: str) -> None:
+        if session_id in self._dropped:
+            raise failed_precondition(
+                f"session_id: session {session_id} has stopped; its payloads are gone",
+                "session_id",
+            )
+
+    def _open_partial(self, session_id: str, target: Path) -> tuple[Path, Any]:
+        """A temporary file of this write alone, next to `target` (same filesystem)."""
+        with self._lock:
+            self._refuse_if_dropped(session_id)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            partial = target.with_name(f"{target.stem}.{uuid.uuid4().hex}.part")
+            return partial, partial.open("xb")
+
+    def _commit(self, session_id: str, partial: Path, target: Path) -> None:
+        with self._lock:
+            self._refuse_if_dropped(session_id)
+            os.replace(partial, target)
+
     async def write_stream(
         self, session_id: str, payload_id: str, chunks: AsyncIterator[bytes]
     ) -> int:
         """Stream an upload to disk (atomically renamed into place); 413 past `max_bytes`."""
         target = self.path(session_id, payload_id)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_suffix(".part")
+        partial, handle = self._open_partial(session_id, target)
         size = 0
-        with partial.open("wb") as handle:
-            async for chunk in chunks:
-                size += len(chunk)
-                if size > self.max_bytes:
-                    handle.close()
-                    partial.unlink(missing_ok=True)
-                    raise ApiError(
-                        413, f"payload exceeds {self.max_bytes} bytes", code="payload_too_large"
-                    )
-                handle.write(chunk)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(partial, target)
+        try:
+            with handle:
+                async for chunk in chunks:
+                    size += len(chunk)
+                    if size > self.max_bytes:
+                        raise ApiError(
+                            413,
+                            f"payload exceeds {self.max_bytes} bytes",
+                            code="payload_too_large",
+                        )
+                    handle.write(chunk)
+                handle.flush()
+                await run_in_threadpool(os.fsync, handle.fileno())  # not on the event loop
+            self._commit(session_id, partial, target)
+        finally:
+            partial.unlink(missing_ok=True)  # a failed or refused write leaves nothing
         return size
 
     def write_json(self, session_id: str, value: dict[str, Any]) -> str:
         payload_id = self.new_id()
         target = self.path(session_id, payload_id)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_suffix(".part")
-        partial.write_bytes(json.dumps(value, separators=(",", ":")).encode())
-        os.replace(partial, target)
+        partial, handle = self._open_partial(session_id, target)
+        try:
+            with handle:
+                handle.write(json.dumps(value, separators=(",", ":")).encode())
+                handle.flush()
+                os.fsync(handle.fileno())  # on disk before the catalogue points at it
+            self._commit(session_id, partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
         return payload_id
 
     def read_json(self, session_id: str, payload_id: str) -> dict[str, Any]:
@@ -74,18 +122,25 @@ class PayloadStore:
             raise bad_request(
                 f"payload_id: no uploaded payload {payload_id!r} for this session", "payload_id"
             )
-        try:
-            value = json.loads(target.read_bytes())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        try:  # large payloads parse in the body parser's child process, arrays packed
+            return self.parser.parse_file(target, pack=True, empty_ok=False)
+        except FileNotFoundError:  # the session stopped meanwhile
             raise bad_request(
-                f"payload_id: the uploaded payload is not JSON ({exc})", "payload_id"
+                f"payload_id: no uploaded payload {payload_id!r} for this session", "payload_id"
             ) from None
-        if not isinstance(value, dict):
-            raise bad_request("payload_id: the uploaded payload is not a JSON object", "payload_id")
-        return value
+        except BodyError as exc:
+            if exc.kind == "missing":
+                raise bad_request(
+                    f"payload_id: no uploaded payload {payload_id!r} for this session",
+                    "payload_id",
+                ) from None
+            raise api_error(exc, payload=True) from None
 
     def drop_session(self, session_id: str) -> None:
-        shutil.rmtree(self.root / session_id, ignore_errors=True)
+        """Delete the session's payloads; later writes for it are refused, never recreated."""
+        with self._lock:
+            self._dropped.add(session_id)
+            shutil.rmtree(self.root / session_id, ignore_errors=True)
 
 
 def offload_result(
@@ -98,4 +153,12 @@ def offload_result(
     heavy = {k: v for k, v in output.items() if k not in inline}
     if not heavy:
         return output
-    return {**inline, "payload_id": store.write_json(session_id, heavy)}
+    try:
+        payload_id = store.write_json(session_id, heavy)
+    except OSError as exc:
+        if exc.errno not in DISK_FULL:
+            raise
+        raise OperationError(
+            "RESOURCE_EXHAUSTED", f"storing the result failed: {os.strerror(exc.errno)}"
+        ) from None
+    return {**inline, "payload_id": payload_id}

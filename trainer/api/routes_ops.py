@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ValidationError
 
+from trainer.api.bodies import body_hash
 from trainer.api.checkpoint_errors import save_checkpoint
 from trainer.api.errors import ApiError, bad_request, from_pydantic
 from trainer.api.openapi import json_body
@@ -104,11 +103,6 @@ KINDS: dict[str, OpKind] = {
 }
 
 
-def body_hash(kind: str, body: dict[str, Any]) -> str:
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(f"{kind}\n{canonical}".encode()).hexdigest()
-
-
 def _entry(worker: Worker, session_id: str) -> ModelEntry:
     resource = worker.store.get(ResourceRow, worker.session(session_id).resource_id)
     entry = worker.config.model(resource.spec["base_model"]) if resource is not None else None
@@ -160,12 +154,13 @@ async def create_operation(request: Request, session_id: str, kind: str) -> dict
         raise bad_request(
             f"Idempotency-Key: at most {MAX_KEY_LENGTH} characters", "Idempotency-Key"
         )
-    body = await json_object(request, worker.config.max_body_bytes)
-    digest = body_hash(kind, body)
-    existing = worker.store.op_by_key(session_id, key)
+    # parsed off the event loop (a large body in the parser's child), bulk arrays packed
+    body = await json_object(request, worker.config.max_body_bytes, arrays=True)
+    digest = await run_in_threadpool(body_hash, kind, body)
+    existing = worker.op_by_key(session_id, key)
     if existing is None:
         call = await run_in_threadpool(_prepare, worker, session_id, kind, body)
-        existing = worker.store.op_by_key(session_id, key)  # a concurrent retry may have won
+        existing = worker.op_by_key(session_id, key)  # a concurrent retry may have won
     if existing is not None:
         if existing.body_hash != digest:
             raise ApiError(

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import Request
 
+from trainer.api.bodies import read_json
 from trainer.api.errors import ApiError, bad_request
+from trainer.api.signing import refused_param
 from trainer.api.worker import Worker
+from trainer.values import parse_int_text
 
 
 def worker_of(request: Request) -> Worker:
@@ -29,15 +31,22 @@ def verify_signed(request: Request, method: str) -> None:
         method, request.url.path, query.get("expires"), query.get("sig")
     )
     if reason is not None:
-        raise ApiError(403, f"signed URL refused: {reason}", param="sig", code="invalid_signature")
+        param = refused_param(reason)
+        raise ApiError(
+            403, f"{param}: signed URL refused: {reason}", param=param, code="invalid_signature"
+        )
 
 
 def parse_limit(raw: str | None, default: int = 20) -> int:
+    """`limit` of a list route: ASCII digits in [1, 100] (no Unicode digits, no 5,000-digit
+    numbers: those are a 400 naming `limit`, not a crash in `int()`)."""
     if raw is None or raw == "":
         return default
-    if not raw.strip().isdigit() or not 1 <= int(raw) <= 100:
-        raise bad_request(f"limit: must be an integer in [1, 100], got {raw!r}", "limit")
-    return int(raw)
+    value = parse_int_text(raw)
+    if value is None or not 1 <= value <= 100:
+        shown = raw if len(raw) <= 40 else f"{raw[:40]}... ({len(raw)} characters)"
+        raise bad_request(f"limit: must be an integer in [1, 100], got {shown!r}", "limit")
+    return value
 
 
 def parse_statuses(request: Request, allowed: tuple[str, ...]) -> list[str] | None:
@@ -52,38 +61,9 @@ def parse_statuses(request: Request, allowed: tuple[str, ...]) -> list[str] | No
     return values or None
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise ApiError(
-            413,
-            f"request body of {declared} bytes exceeds {limit}; large bodies go through "
-            "payloads/upload-url (the SDK does this above 0.5 MiB)",
-            param="body",
-            code="request_too_large",
-        )
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(
-                413, f"request body exceeds {limit} bytes", param="body", code="request_too_large"
-            )
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def json_object(request: Request, limit: int) -> dict[str, Any]:
-    raw = await read_body(request, limit)
-    if not raw.strip():
-        return {}
-    try:
-        value = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(
-            f"request body is not valid JSON: {exc}", "body", "invalid_json"
-        ) from None
-    if not isinstance(value, dict):
-        raise bad_request("request body must be a JSON object", "body", "invalid_json")
-    return value
+async def json_object(request: Request, limit: int, *, arrays: bool = False) -> dict[str, Any]:
+    """The body's JSON object (`{}` if empty), 413 past `limit`, parsed off the event loop: in
+    a thread when small, in the body parser's child process when large (`trainer.api.bodies`).
+    `arrays`: an operation body, whose bulk numeric lists come back as numpy arrays."""
+    parser = worker_of(request).payloads.parser
+    return await read_json(request, limit, parser, pack=arrays)
