@@ -17,6 +17,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from trainer.options import add_option_flags
+
 
 def _serve_args(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
@@ -44,12 +46,15 @@ def _serve_args(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--public-url", help="base URL for signed download/upload URLs")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_option_flags(p)
     p.set_defaults(run=_run_serve)
 
 
 def serve_config(args: argparse.Namespace) -> Any:
-    """The TOML file (if any) with the command-line flags laid over it, validated."""
+    """The TOML file (if any) with the command-line flags laid over it, validated. A key of
+    `[engine]`/`[distributed]` set by neither falls back to its legacy environment variable."""
     from trainer.api.config import ServeConfig, load_toml, merge_models
+    from trainer.options import fill_from_env, merge_tables, option_overrides
 
     data: dict[str, Any] = load_toml(args.config) if args.config is not None else {}
     overrides = {
@@ -65,6 +70,7 @@ def serve_config(args: argparse.Namespace) -> Any:
     }
     data.update({k: v for k, v in overrides.items() if v is not None})
     data["model"] = merge_models(list(data.get("model", [])), args.model)
+    fill_from_env(merge_tables(data, option_overrides(args)))
     return ServeConfig.model_validate(data)
 
 
@@ -80,7 +86,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     if not config.models:
         print("trainer serve: no models: pass --model NAME=PATH_OR_HUB_ID", file=sys.stderr)
         return 2
-    from trainer.distributed import is_distributed_launch
+    from trainer.distributed.comm import is_distributed_launch
 
     if is_distributed_launch():
         return _run_serve_distributed(config, args.log_level)
@@ -103,11 +109,11 @@ def _run_serve_distributed(config: Any, log_level: str) -> int:
     import torch.distributed as dist
 
     from trainer.api.server import StartupError, serve
-    from trainer.distributed import Spmd, init_distributed, resource_loader, run_worker
+    from trainer.distributed.spmd import resource_loader, run_worker
 
-    comm = init_distributed()
-    if comm.rank != 0:
-        code = run_worker(Spmd(comm))
+    spmd = join_job(config)
+    if spmd.comm.rank != 0:
+        code = run_worker(spmd)
         if code == 0:
             dist.destroy_process_group()
             return code
@@ -119,7 +125,7 @@ def _run_serve_distributed(config: Any, log_level: str) -> int:
     def stop(reason: str) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
-    spmd = Spmd(comm, on_broken=stop)
+    spmd.on_broken = stop
     try:
         code = serve(config, log_level=log_level, loader=resource_loader(spmd))
     except StartupError as exc:
@@ -130,6 +136,16 @@ def _run_serve_distributed(config: Any, log_level: str) -> int:
     if healthy:
         dist.destroy_process_group()
     return code if healthy else 1
+
+
+def join_job(config: Any) -> Any:
+    """This rank's `Spmd` (the command stream), joined with the config's `[distributed]`
+    timeout, running the engine with its `[engine]` options and `cpu_offload`."""
+    from trainer.distributed.comm import init_distributed
+    from trainer.distributed.spmd import Spmd
+
+    comm = init_distributed(config.distributed.collective_timeout_s)
+    return Spmd(comm, options=config.engine, cpu_offload=config.distributed.cpu_offload)
 
 
 def _validation_text(exc: ValidationError) -> str:

@@ -11,6 +11,20 @@ TOML layout (every key optional except what the command line does not give)::
     location = "Qwen/Qwen3-0.6B"
     max_seq_length = 8192
     max_lora_rank = 64
+
+    [engine]                      # trainer.options.EngineOptions: every resource and session
+    row_tokens = 2048
+    token_budget = 16384
+    chunk_tokens = 1024
+    activation_checkpointing = false
+    logprob_backend = "ours"
+
+    [distributed]                 # trainer.options.DistributedOptions: under torchrun
+    cpu_offload = false
+    collective_timeout_s = 600
+
+Every `[engine]` / `[distributed]` key also has a flag, `--engine-row-tokens 4096`,
+`--distributed-cpu-offload` (`trainer.options.add_option_flags`), which wins over the file.
 """
 
 from __future__ import annotations
@@ -22,6 +36,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from trainer.options import DistributedOptions, EngineOptions
 from trainer.specs import ModelEntry, StrictSpec
 
 
@@ -75,6 +90,12 @@ class ServeConfig(StrictSpec):
     resume_roots: list[Path] = Field(
         default_factory=list,
         description="local directories besides `storage` that resume_from_hf_checkpoint may read",
+    )
+    engine: EngineOptions = Field(
+        default_factory=EngineOptions, description="how every resource and session computes"
+    )
+    distributed: DistributedOptions = Field(
+        default_factory=DistributedOptions, description="knobs that apply under torchrun"
     )
 
     @model_validator(mode="after")

@@ -134,7 +134,7 @@ def serve(config: ServeConfig, log_level: str = "info", loader: Loader | None = 
     """`loader` builds the engine of each resource (default: one process, `load_resource`;
     under torchrun: `trainer.distributed.resource_loader`, rank 0's SPMD proxies)."""
     token = resolve_token(config)
-    worker = Worker(config) if loader is None else Worker(config, loader=loader)
+    worker = Worker(config, loader=loader)
     freeze_long_lived()
     preload(worker, config.resource_file, config.session_file)
     app = create_app(worker, token)

@@ -7,6 +7,7 @@ Blocking calls (engine work, joins) are made from worker threads, never the even
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -91,7 +92,7 @@ class LiveSession:
 
 
 class Worker:
-    def __init__(self, config: ServeConfig, loader: Loader = load_resource) -> None:
+    def __init__(self, config: ServeConfig, loader: Loader | None = None) -> None:
         from trainer.model import resolve_context_limit
 
         config.storage.mkdir(parents=True, exist_ok=True)
@@ -103,7 +104,11 @@ class Worker:
         self.checkpoints = CheckpointStore(config.storage)
         self.payloads = PayloadStore(config.storage / "payloads", config.max_payload_bytes)
         self.resources = ResourceManager(
-            self.store, self.checkpoints, loader, config.device, config.max_resources
+            self.store,
+            self.checkpoints,
+            loader or functools.partial(load_resource, options=config.engine),
+            config.device,
+            config.max_resources,
         )
         self.oplog = OperationLog(self.store)
         self.sessions: dict[str, LiveSession] = {}

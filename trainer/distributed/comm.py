@@ -13,11 +13,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer.options import COLLECTIVE_TIMEOUT_S
+
 log = logging.getLogger(__name__)
 
 OP_TIMEOUT_ENV = "TRAINER_DIST_TIMEOUT_S"  # collectives inside an operation
 FAULT_ENV = "TRAINER_DIST_FAULT"  # tests only: "RANK:POINT" makes that rank exit at POINT
-DEFAULT_OP_TIMEOUT_S = 600.0
+DEFAULT_OP_TIMEOUT_S = COLLECTIVE_TIMEOUT_S
 IDLE_TIMEOUT = datetime.timedelta(days=30)  # ranks ≠ 0 wait this long for the next command
 
 
@@ -87,8 +89,9 @@ class Comm:
 def init_distributed(op_timeout_s: float | None = None) -> Comm:
     """Join the job described by torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...).
 
-    `op_timeout_s` (default `$TRAINER_DIST_TIMEOUT_S` or 600) bounds every collective of an
-    operation, so a dead or stuck rank fails the operation instead of hanging it.
+    `op_timeout_s` bounds every collective of an operation, so a dead or stuck rank fails the
+    operation instead of hanging it; `trainer serve` passes `[distributed]
+    collective_timeout_s`, other callers default to `$TRAINER_DIST_TIMEOUT_S` or 600.
     """
     if op_timeout_s is None:
         op_timeout_s = float(os.environ.get(OP_TIMEOUT_ENV, DEFAULT_OP_TIMEOUT_S))
