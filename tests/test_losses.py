@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import torch
 
+from trainer.batch import LossNorm
 from trainer.losses import (
     LOSSES,
     LossInputs,
-    LossNorm,
     LossOutputs,
     compute_loss,
     custom_loss,
@@ -475,7 +475,7 @@ def test_custom_loss_ignores_masked_overflow():
 MISSING = [
     ("LOSS_TYPE_CROSS_ENTROPY", CrossEntropyParams(), "weights_N", "loss_fn_inputs.weights"),
     *[
-        (loss_type, LOSS_SPECS[loss_type][1](**extra), field, f"loss_fn_inputs.{name}")
+        (loss_type, LOSS_SPECS[loss_type].params_cls(**extra), field, f"loss_fn_inputs.{name}")
         for loss_type, extra in [
             ("LOSS_TYPE_IMPORTANCE_SAMPLING", {}),
             ("LOSS_TYPE_PPO", {}),

@@ -7,7 +7,8 @@ r_t = exp(lp_t - q_t), sg = stop-gradient.
 
 Reduction, the load-bearing knob, stated here once and in every docstring:
 - Every loss except GRPO is a plain SUM over the masked tokens of the batch (no mean).
-- GRPO divides by call-level denominators taken from `LossNorm` only, never from the batch.
+- GRPO divides by call-level denominators taken from `LossNorm` (`trainer.batch`) only, never
+  from the batch.
 So the `loss` of a call split into micro-batches (by whole samples, same `LossNorm`) is the sum
 of the micro-batch losses, for every loss and every GRPO aggregation.
 
@@ -15,6 +16,11 @@ Numerics: all loss math is fp32. Masked tokens go through `torch.where(m != 0, e
 every exponent is masked *before* `exp`, so a masked token cannot put NaN/Inf into the loss or
 into the gradient (Part B rule 3). Non-finite values at kept tokens are left for the engine to
 report as NON_FINITE_LOSS.
+
+Inputs: what each loss needs (required `loss_fn_inputs`, whether weights are a mask, rules such
+as "GRPO with β > 0 needs reference logprobs") is declared once, in `trainer.specs.LOSS_SPECS`;
+`pick_loss` checks it and binds the parsed params, once per call. The functions below only
+compute.
 
 Metrics are `name -> (numerator, denominator)` Python floats; the reported value is
 Σ numerators / Σ denominators over the micro-batches of a call. All are means over masked tokens
@@ -36,6 +42,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from trainer.batch import LossNorm
 from trainer.specs import (
     LOSS_SPECS,
     CispoParams,
@@ -51,15 +58,6 @@ Metrics = dict[str, tuple[float, float]]
 
 
 @dataclass(frozen=True)
-class LossNorm:
-    """Call-level denominators, fixed before the first micro-batch of a call."""
-
-    total_mask: float  # Σ m_t over the whole call
-    total_samples: int  # number of samples in the whole call
-    horizon: int  # longest sample's token count in the whole call (FIXED_HORIZON's H)
-
-
-@dataclass(frozen=True)
 class LossInputs:
     logprobs_N: torch.Tensor  # lp_t, current policy (requires grad in training)
     sample_index_N: torch.Tensor  # int64 in [0, B): which sample of this batch each token is in
@@ -70,6 +68,15 @@ class LossInputs:
     sampler_logprobs_N: torch.Tensor | None = None  # q_t
     advantages_N: torch.Tensor | None = None  # A_t
     reference_logprobs_N: torch.Tensor | None = None  # ref_t
+
+
+# `loss_fn_inputs` key -> the `LossInputs` field that carries it
+INPUT_FIELDS = {
+    "weights": "weights_N",
+    "logprobs": "sampler_logprobs_N",
+    "advantages": "advantages_N",
+    "reference_logprobs": "reference_logprobs_N",
+}
 
 
 @dataclass
@@ -91,9 +98,10 @@ def _masked(x_N: torch.Tensor, keep_N: torch.Tensor) -> torch.Tensor:
     return torch.where(keep_N, x_N, 0.0)
 
 
-def _require(tensor: torch.Tensor | None, name: str, loss: str) -> torch.Tensor:
+def _given(tensor: torch.Tensor | None, name: str) -> torch.Tensor:
+    """An input `pick_loss` has checked against `LOSS_SPECS`, in fp32 (narrows the type)."""
     if tensor is None:
-        raise ValueError(f"loss_fn_inputs.{name} is required for {loss}")
+        raise ValueError(f"loss_fn_inputs.{name} is missing")
     return tensor.float()
 
 
@@ -107,7 +115,9 @@ def _per_sample(x_N: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
     return x_N.new_zeros(inputs.num_samples).index_add(0, inputs.sample_index_N, x_N)
 
 
-class _Policy(NamedTuple):
+class _RatioTerms(NamedTuple):
+    """The per-token terms of the ratio r_t = exp(lp_t - q_t) every policy loss builds on."""
+
     lp_N: torch.Tensor
     q_N: torch.Tensor
     adv_N: torch.Tensor
@@ -116,13 +126,13 @@ class _Policy(NamedTuple):
     ratio_N: torch.Tensor  # r_t; exactly 1 at masked tokens
 
 
-def _policy(inputs: LossInputs, loss: str) -> _Policy:
+def _ratio_terms(inputs: LossInputs) -> _RatioTerms:
     lp_N = inputs.logprobs_N.float()
-    q_N = _require(inputs.sampler_logprobs_N, "logprobs", loss)
-    adv_N = _require(inputs.advantages_N, "advantages", loss)
+    q_N = _given(inputs.sampler_logprobs_N, "logprobs")
+    adv_N = _given(inputs.advantages_N, "advantages")
     keep_N = inputs.mask_N != 0
     log_ratio_N = _masked(lp_N - q_N, keep_N)
-    return _Policy(lp_N, q_N, adv_N, keep_N, log_ratio_N, log_ratio_N.exp())
+    return _RatioTerms(lp_N, q_N, adv_N, keep_N, log_ratio_N, log_ratio_N.exp())
 
 
 def _ratio_metrics(lp_N: torch.Tensor, ratio_N: torch.Tensor, keep_N: torch.Tensor) -> Metrics:
@@ -149,7 +159,7 @@ def _clip_metrics(ratio_N: torch.Tensor, keep_N: torch.Tensor, lo: float, hi: fl
 
 def cross_entropy_loss(inputs: LossInputs, params: CrossEntropyParams) -> LossOutputs:
     """L = Σ_t -w_t · lp_t. Reduction: sum over the batch's tokens with m_t = 1 (m = w≠0)."""
-    w_N = _require(inputs.weights_N, "weights", "LOSS_TYPE_CROSS_ENTROPY")
+    w_N = _given(inputs.weights_N, "weights")
     lp_N = inputs.logprobs_N.float()
     keep_N = inputs.mask_N != 0
     loss = _masked(-w_N * lp_N, keep_N).sum()
@@ -158,7 +168,7 @@ def cross_entropy_loss(inputs: LossInputs, params: CrossEntropyParams) -> LossOu
 
 def importance_sampling_loss(inputs: LossInputs, params: ImportanceSamplingParams) -> LossOutputs:
     """L = Σ_t -m_t · r_t · A_t. Reduction: sum over masked tokens."""
-    p = _policy(inputs, "LOSS_TYPE_IMPORTANCE_SAMPLING")
+    p = _ratio_terms(inputs)
     loss = _masked(-p.ratio_N * p.adv_N, p.keep_N).sum()
     return LossOutputs(loss, _ratio_metrics(p.lp_N, p.ratio_N, p.keep_N))
 
@@ -166,7 +176,7 @@ def importance_sampling_loss(inputs: LossInputs, params: ImportanceSamplingParam
 def ppo_loss(inputs: LossInputs, params: PpoParams) -> LossOutputs:
     """L = Σ_t -m_t · min(r_t·A_t, clip(r_t, lo, hi)·A_t). Reduction: sum over masked tokens."""
     lo, hi = params.clip_low_threshold, params.clip_high_threshold
-    p = _policy(inputs, "LOSS_TYPE_PPO")
+    p = _ratio_terms(inputs)
     clipped_N = p.ratio_N.clamp(lo, hi)
     objective_N = torch.minimum(p.ratio_N * p.adv_N, clipped_N * p.adv_N)
     loss = _masked(-objective_N, p.keep_N).sum()
@@ -178,7 +188,7 @@ def ppo_loss(inputs: LossInputs, params: PpoParams) -> LossOutputs:
 def cispo_loss(inputs: LossInputs, params: CispoParams) -> LossOutputs:
     """L = Σ_t -m_t · sg(clip(r_t, lo, hi)) · A_t · lp_t. Reduction: sum over masked tokens."""
     lo, hi = params.clip_low_threshold, params.clip_high_threshold
-    p = _policy(inputs, "LOSS_TYPE_CISPO")
+    p = _ratio_terms(inputs)
     weight_N = p.ratio_N.clamp(lo, hi).detach()
     loss = _masked(-weight_N * p.adv_N * p.lp_N, p.keep_N).sum()
     metrics = _ratio_metrics(p.lp_N, p.ratio_N, p.keep_N)
@@ -188,7 +198,7 @@ def cispo_loss(inputs: LossInputs, params: CispoParams) -> LossOutputs:
 
 def dro_loss(inputs: LossInputs, params: DroParams) -> LossOutputs:
     """L = Σ_t -m_t · (A_t · lp_t - (β/2)·(lp_t - q_t)²). Reduction: sum over masked tokens."""
-    p = _policy(inputs, "LOSS_TYPE_DRO")
+    p = _ratio_terms(inputs)
     objective_N = p.adv_N * p.lp_N - 0.5 * params.beta * p.log_ratio_N.square()
     loss = _masked(-objective_N, p.keep_N).sum()
     return LossOutputs(loss, _ratio_metrics(p.lp_N, p.ratio_N, p.keep_N))
@@ -200,7 +210,7 @@ def dppo_loss(inputs: LossInputs, params: DppoParams) -> LossOutputs:
     keep_t (no gradient) is 1 when A_t ≥ 0 and p_t - p'_t ≤ delta_high, or A_t < 0 and
     p'_t - p_t ≤ delta_low, with p_t = exp(lp_t), p'_t = exp(q_t); both bounds inclusive.
     """
-    p = _policy(inputs, "LOSS_TYPE_DPPO")
+    p = _ratio_terms(inputs)
     with torch.no_grad():
         prob_N, old_prob_N = p.lp_N.exp(), p.q_N.exp()
         in_region_N = torch.where(
@@ -214,14 +224,14 @@ def dppo_loss(inputs: LossInputs, params: DppoParams) -> LossOutputs:
     return LossOutputs(loss, metrics)
 
 
-def _sequence_ratio(p: _Policy, inputs: LossInputs) -> torch.Tensor:
+def _sequence_ratio(p: _RatioTerms, inputs: LossInputs) -> torch.Tensor:
     """GSPO: ρ_t = exp(mean_{t∈m}(sg(lp) - q)) · exp(lp_t - sg(lp_t)); 1 in an all-masked sample."""
     count_B = _per_sample(p.keep_N.float(), inputs)
     mean_B = _per_sample(p.log_ratio_N.detach(), inputs) / count_B.clamp(min=1.0)
     return mean_B[inputs.sample_index_N].exp() * _masked(p.lp_N - p.lp_N.detach(), p.keep_N).exp()
 
 
-_GRPO_RATIOS: dict[str, Callable[[_Policy, LossInputs], torch.Tensor]] = {
+_GRPO_RATIOS: dict[str, Callable[[_RatioTerms, LossInputs], torch.Tensor]] = {
     "GRPO_LOSS_RATIO_TYPE_TOKEN": lambda p, inputs: p.ratio_N,
     "GRPO_LOSS_RATIO_TYPE_SEQUENCE": _sequence_ratio,
 }
@@ -262,15 +272,15 @@ def grpo_loss(inputs: LossInputs, params: GrpoParams) -> LossOutputs:
     Σ_t m·ℓ / max(1, Σ_t m); FIXED_HORIZON Σ m·ℓ / (samples · H).
     """
     lo, hi = params.clip_low_threshold, params.clip_high_threshold
-    if params.beta > 0 and inputs.reference_logprobs_N is None:
-        raise ValueError("loss_fn_inputs.reference_logprobs is required when grpo_params.beta > 0")
-    p = _policy(inputs, "LOSS_TYPE_GRPO")
+    p = _ratio_terms(inputs)
     ratio_N = _GRPO_RATIOS[params.ratio_type](p, inputs)
     loss_N = -torch.minimum(ratio_N * p.adv_N, ratio_N.clamp(lo, hi) * p.adv_N)
     metrics = _ratio_metrics(p.lp_N, ratio_N, p.keep_N)
     metrics.update(_clip_metrics(ratio_N, p.keep_N, lo, hi))
-    if inputs.reference_logprobs_N is not None:
-        ref_diff_N = _masked(inputs.reference_logprobs_N.float() - p.lp_N, p.keep_N)
+    if inputs.reference_logprobs_N is not None or params.beta > 0:
+        ref_diff_N = _masked(
+            _given(inputs.reference_logprobs_N, "reference_logprobs") - p.lp_N, p.keep_N
+        )
         k3_N = ref_diff_N.exp() - ref_diff_N - 1.0
         metrics["loss/kl_ref/mean"] = _token_mean(k3_N, p.keep_N)
         if params.beta > 0:
@@ -302,10 +312,27 @@ LOSSES: dict[str, LossFn] = {
 }
 
 
-def compute_loss(loss_type: str, inputs: LossInputs, params: Any = None) -> LossOutputs:
-    """Look the loss up in `LOSSES`; `params=None` takes that loss's default params."""
+def pick_loss(loss_type: str, params: Any = None) -> Callable[[LossInputs], LossOutputs]:
+    """The loss of `loss_type` with its parsed `params` bound (None: that loss's defaults),
+    picked once per call. Each micro-batch's inputs are checked against `LOSS_SPECS` first:
+    the conditional rules, then the inputs the loss always reads."""
     if loss_type not in LOSSES:
         raise ValueError(f"loss.type {loss_type!r} is not one of {sorted(LOSSES)}")
+    spec, fn = LOSS_SPECS[loss_type], LOSSES[loss_type]
     if params is None:
-        params = LOSS_SPECS[loss_type][1]()
-    return LOSSES[loss_type](inputs, params)
+        params = spec.params_cls()
+    needed = [(rule.input, rule.reason) for rule in spec.rules_for(params)]
+    needed += [(name, f"for {loss_type}") for name in spec.required]
+
+    def compute(inputs: LossInputs) -> LossOutputs:
+        for name, reason in needed:
+            if getattr(inputs, INPUT_FIELDS[name]) is None:
+                raise ValueError(f"loss_fn_inputs.{name} is required {reason}")
+        return fn(inputs, params)
+
+    return compute
+
+
+def compute_loss(loss_type: str, inputs: LossInputs, params: Any = None) -> LossOutputs:
+    """One batch through `pick_loss(loss_type, params)`."""
+    return pick_loss(loss_type, params)(inputs)

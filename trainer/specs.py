@@ -11,6 +11,8 @@ N = tokens of a whole (micro-)batch flattened, V = vocabulary, H = hidden size.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -19,6 +21,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     field_validator,
     model_validator,
 )
@@ -226,25 +229,74 @@ class DroParams(Spec):
     beta: float = Field(ge=0.0, allow_inf_nan=False)
 
 
-# loss type -> (params key on the wire, params class, required loss_fn_inputs)
-LOSS_SPECS: dict[str, tuple[str, type[Spec], tuple[str, ...]]] = {
-    "LOSS_TYPE_CROSS_ENTROPY": ("cross_entropy_params", CrossEntropyParams, ("weights",)),
-    "LOSS_TYPE_IMPORTANCE_SAMPLING": (
-        "importance_sampling_params",
-        ImportanceSamplingParams,
-        ("logprobs", "advantages"),
+LossParams = (
+    CrossEntropyParams
+    | ImportanceSamplingParams
+    | PpoParams
+    | CispoParams
+    | DroParams
+    | DppoParams
+    | GrpoParams
+)
+"""The typed union a `LossConfig`'s `<x>_params` is parsed into, once, at the edge."""
+
+
+@dataclass(frozen=True)
+class InputRule:
+    """A `loss_fn_inputs` entry a loss needs only with some parameter values."""
+
+    input: str  # the loss_fn_inputs key
+    reason: str  # completes "... is required <reason>"
+    applies: Callable[[Any], bool]  # of the loss's parsed params
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """What one loss needs, stated once: its params on the wire and the inputs it reads.
+
+    Every check (the API's 400, the engine's INVALID_INPUT, `losses.compute_loss`) reads this.
+    """
+
+    params_key: str  # `<x>_params` on the wire
+    params_cls: type[Spec]
+    required: tuple[str, ...]  # loss_fn_inputs every sample must carry
+    weights_are_mask: bool = True  # False: fractional `weights` scale the tokens (CE)
+    rules: tuple[InputRule, ...] = ()
+
+    def rules_for(self, params: Any) -> tuple[InputRule, ...]:
+        """The conditional inputs that these params make required."""
+        return tuple(rule for rule in self.rules if rule.applies(params))
+
+    def required_for(self, params: Any) -> tuple[str, ...]:
+        """Every input these params make required: `required`, then the rules that apply."""
+        return self.required + tuple(rule.input for rule in self.rules_for(params))
+
+
+_POLICY_INPUTS = ("logprobs", "advantages")
+LOSS_SPECS: dict[str, LossSpec] = {
+    "LOSS_TYPE_CROSS_ENTROPY": LossSpec(
+        "cross_entropy_params", CrossEntropyParams, ("weights",), weights_are_mask=False
     ),
-    "LOSS_TYPE_PPO": ("ppo_params", PpoParams, ("logprobs", "advantages")),
-    "LOSS_TYPE_CISPO": ("cispo_params", CispoParams, ("logprobs", "advantages")),
-    "LOSS_TYPE_DRO": ("dro_params", DroParams, ("logprobs", "advantages")),
-    "LOSS_TYPE_DPPO": ("dppo_params", DppoParams, ("logprobs", "advantages")),
-    "LOSS_TYPE_GRPO": ("grpo_params", GrpoParams, ("logprobs", "advantages")),
+    "LOSS_TYPE_IMPORTANCE_SAMPLING": LossSpec(
+        "importance_sampling_params", ImportanceSamplingParams, _POLICY_INPUTS
+    ),
+    "LOSS_TYPE_PPO": LossSpec("ppo_params", PpoParams, _POLICY_INPUTS),
+    "LOSS_TYPE_CISPO": LossSpec("cispo_params", CispoParams, _POLICY_INPUTS),
+    "LOSS_TYPE_DRO": LossSpec("dro_params", DroParams, _POLICY_INPUTS),
+    "LOSS_TYPE_DPPO": LossSpec("dppo_params", DppoParams, _POLICY_INPUTS),
+    "LOSS_TYPE_GRPO": LossSpec(
+        "grpo_params",
+        GrpoParams,
+        _POLICY_INPUTS,
+        rules=(InputRule("reference_logprobs", "when grpo_params.beta > 0", lambda p: p.beta > 0),),
+    ),
 }
 _SHORT_LOSS_NAMES = {key.removeprefix("LOSS_TYPE_").lower(): key for key in LOSS_SPECS}
 
 
 class LossConfig(Spec):
-    """`{"type": ..., "<x>_params": {...}}`. Only the params object matching `type` is read."""
+    """`{"type": ..., "<x>_params": {...}}`. Only the params object matching `type` is read:
+    validation parses it once into `params()` (one of `LossParams`)."""
 
     type: LossType
     cross_entropy_params: dict[str, Any] | None = None
@@ -253,6 +305,7 @@ class LossConfig(Spec):
     cispo_params: dict[str, Any] | None = None
     dppo_params: dict[str, Any] | None = None
     dro_params: dict[str, Any] | None = None
+    _params: Any = PrivateAttr(default=None)
 
     @field_validator("type", mode="before")
     @classmethod
@@ -263,24 +316,31 @@ class LossConfig(Spec):
 
     @model_validator(mode="after")
     def _check(self) -> LossConfig:
-        if self.type == "LOSS_TYPE_UNSPECIFIED":
+        if self.type not in LOSS_SPECS:  # LOSS_TYPE_UNSPECIFIED
             raise ValueError("loss.type must name a loss (LOSS_TYPE_UNSPECIFIED is not one)")
-        if self.type == "LOSS_TYPE_DRO" and (self.dro_params or {}).get("beta") is None:
-            raise ValueError("loss.dro_params.beta is required for LOSS_TYPE_DRO")
-        self.params()  # validate the params eagerly so the error names the field now
+        self._params = self._parse()  # now, so the error names the field
         return self
 
-    def params(self) -> Spec:
-        key, cls, _ = LOSS_SPECS[self.type]
-        raw = getattr(self, key, None) or {}
+    def _parse(self) -> Any:
+        spec = self.spec
+        raw = getattr(self, spec.params_key, None) or {}
+        for name, info in spec.params_cls.model_fields.items():
+            if info.is_required() and raw.get(name) is None:
+                raise ValueError(f"loss.{spec.params_key}.{name} is required for {self.type}")
         try:
-            return cls.model_validate(raw)
+            return spec.params_cls.model_validate(raw)
         except Exception as exc:  # re-raise with the field path
-            raise ValueError(f"loss.{key}: {exc}") from None
+            raise ValueError(f"loss.{spec.params_key}: {exc}") from None
 
     @property
-    def required_inputs(self) -> tuple[str, ...]:
-        return LOSS_SPECS[self.type][2]
+    def spec(self) -> LossSpec:
+        return LOSS_SPECS[self.type]
+
+    def params(self) -> LossParams:
+        """The parsed params of `type` (parsed at validation, not again)."""
+        if self._params is None:  # built without validation (`model_construct`)
+            self._params = self._parse()
+        return self._params  # type: ignore[no-any-return]
 
 
 # --------------------------------------------------------------------------------------------

@@ -206,18 +206,10 @@ def check_samples(
             )
 
 
-def loss_required_inputs(loss: LossConfig) -> tuple[str, ...]:
-    required = tuple(loss.required_inputs)
-    params = loss.params()
-    if loss.type == "LOSS_TYPE_GRPO" and getattr(params, "beta", 0.0) > 0:
-        required += ("reference_logprobs",)
-    return required
-
-
 def check_forward_backward(body: ForwardBackwardBody, entry: ModelEntry) -> None:
-    check_samples(
-        body.samples, entry, loss_required_inputs(body.loss), loss_text=f"loss {body.loss.type}"
-    )
+    loss = body.loss
+    required = loss.spec.required_for(loss.params())  # `LOSS_SPECS`: its inputs and rules
+    check_samples(body.samples, entry, required, loss_text=f"loss {loss.type}")
 
 
 def check_custom(body: CustomForwardBackwardBody, entry: ModelEntry) -> None:
