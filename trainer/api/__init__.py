@@ -10,6 +10,7 @@ Modules, from the edge inward:
 - `worker`, `resources`, `ops`, `payloads`, `store`: lifecycles, per-session FIFO queues,
   large-payload files and the SQLite catalogue;
 - `bodies`: request bodies read off the event loop, large ones parsed in a child process;
+- `operations`: the operation table, from which `routes_ops` and the SPMD proxy are derived;
 - `engine`: the protocols the engine (`trainer.resource` / `trainer.session`) satisfies;
 - `config`, `server`: settings of `trainer serve` and the process around the app.
 """

@@ -9,18 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from trainer.checkpoints import CheckpointRecord, CheckpointStore
-from trainer.specs import (
-    AdamParams,
-    Gradient,
-    LossConfig,
-    ModelEntry,
-    ModelInput,
-    ResourceSpec,
-    Sample,
-    SamplingParams,
-    SessionSpec,
-)
+from trainer.checkpoints import CheckpointStore
+from trainer.options import EngineOptions
+from trainer.specs import ModelEntry, ResourceSpec, SessionSpec
 
 
 class EngineSession(Protocol):
@@ -31,36 +22,8 @@ class EngineSession(Protocol):
 
     def policy_state(self) -> dict[str, Any]: ...
 
-    def forward_backward(
-        self,
-        loss: LossConfig,
-        samples: list[Sample],
-        *,
-        forward_only: bool = False,
-        return_loss_fn_outputs: bool = False,
-    ) -> dict[str, Any]: ...
-
-    def custom_forward_backward(
-        self, samples: list[Sample], gradients: list[Gradient]
-    ) -> dict[str, Any]: ...
-
-    def optim_step(self, adam: AdamParams) -> dict[str, Any]: ...
-
-    def weights_sync(self, sync_type: str) -> dict[str, Any]: ...
-
-    def sample(
-        self,
-        model_inputs: list[ModelInput],
-        *,
-        num_samples: int,
-        sampling_params: SamplingParams,
-        prompt_logprobs: bool = False,
-        topk_prompt_logprobs: int = 0,
-    ) -> dict[str, Any]: ...
-
-    def save_training_checkpoint(self) -> CheckpointRecord: ...
-
-    def save_inference_checkpoint(self) -> CheckpointRecord: ...
+    # the operations (forward_backward, optim_step, ...) are called by name from the operation
+    # table, `trainer.api.operations.OPERATIONS`, each with its own arguments
 
 
 class EngineResource(Protocol):
@@ -74,10 +37,14 @@ class EngineResource(Protocol):
 
 
 def load_resource(
-    entry: ModelEntry, spec: ResourceSpec, store: CheckpointStore, device: str | None
+    entry: ModelEntry,
+    spec: ResourceSpec,
+    store: CheckpointStore,
+    device: str | None,
+    options: EngineOptions | None = None,
 ) -> EngineResource:
     """Load a model for a resource (slow, blocking: call it from a worker thread)."""
     from trainer.resource import ModelResource
 
-    resource: EngineResource = ModelResource(entry, spec, store, device=device)
+    resource: EngineResource = ModelResource(entry, spec, store, device=device, options=options)
     return resource

@@ -1,6 +1,7 @@
-"""The seven session operations: `POST .../operations/<kind>` and `GET .../<kind>/{id}`.
+"""The session operations: `POST .../operations/<kind>` and `GET .../<kind>/{id}`.
 
-One route pair per kind, so the OpenAPI schema carries each kind's body (`trainer.api.openapi`).
+One route pair per entry of the operation table (`trainer.api.operations`), so the OpenAPI
+schema carries each kind's body (`trainer.api.openapi`).
 POST order: session exists (404) -> `Idempotency-Key` present (400) -> body read (413) ->
 key seen before? same body: the original operation; other body: 409 -> payload merged
 (`payload_id`) -> body validated against the model's limits (400 naming the field) ->
@@ -13,94 +14,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from trainer.api.bodies import body_hash
-from trainer.api.checkpoint_errors import save_checkpoint
 from trainer.api.errors import ApiError, bad_request, from_pydantic
 from trainer.api.openapi import json_body
-from trainer.api.requests import (
-    CustomForwardBackwardBody,
-    EmptyBody,
-    ForwardBackwardBody,
-    OptimStepBody,
-    SampleBody,
-    WeightsSyncBody,
-    check_custom,
-    check_forward_backward,
-    check_sample,
-)
-from trainer.api.state import json_object, worker_of
+from trainer.api.operations import OPERATIONS, Operation
+from trainer.api.requests import EmptyBody
+from trainer.api.route_helpers import json_object, worker_of
 from trainer.api.store import OperationRow, ResourceRow
 from trainer.api.wire import operation_json
 from trainer.api.worker import EngineCall, Worker
-from trainer.specs import AdamParams, ModelEntry
+from trainer.specs import ModelEntry
 
 router = APIRouter()
 MAX_KEY_LENGTH = 256
-
-
-@dataclass(frozen=True)
-class OpKind:
-    body: type[BaseModel]
-    call: Callable[[Any], EngineCall]
-    check: Callable[[Any, ModelEntry], None] | None = None
-
-
-def _forward_backward(b: ForwardBackwardBody) -> EngineCall:
-    return lambda s: s.forward_backward(
-        b.loss,
-        b.samples,
-        forward_only=b.forward_only,
-        return_loss_fn_outputs=b.return_loss_fn_outputs,
-    )
-
-
-def _custom(b: CustomForwardBackwardBody) -> EngineCall:
-    return lambda s: s.custom_forward_backward(b.samples, b.gradients) or {}
-
-
-def _optim(b: OptimStepBody) -> EngineCall:
-    return lambda s: s.optim_step(b.adam_params or AdamParams())
-
-
-def _sync(b: WeightsSyncBody) -> EngineCall:
-    return lambda s: s.weights_sync(b.weight_sync_type)
-
-
-def _sample(b: SampleBody) -> EngineCall:
-    return lambda s: s.sample(
-        b.model_inputs,
-        num_samples=b.num_samples,
-        sampling_params=b.sampling_params,
-        prompt_logprobs=b.prompt_logprobs,
-        topk_prompt_logprobs=b.topk_prompt_logprobs,
-    )
-
-
-def _training_checkpoint(_: EmptyBody) -> EngineCall:
-    return lambda s: save_checkpoint(s.save_training_checkpoint)
-
-
-def _inference_checkpoint(_: EmptyBody) -> EngineCall:
-    return lambda s: save_checkpoint(s.save_inference_checkpoint)
-
-
-KINDS: dict[str, OpKind] = {
-    "forward-backward": OpKind(ForwardBackwardBody, _forward_backward, check_forward_backward),
-    "custom-forward-backward": OpKind(CustomForwardBackwardBody, _custom, check_custom),
-    "optim-step": OpKind(OptimStepBody, _optim),
-    "weights-sync": OpKind(WeightsSyncBody, _sync),
-    "sample": OpKind(SampleBody, _sample, check_sample),
-    "training-checkpoint": OpKind(EmptyBody, _training_checkpoint),
-    "inference-checkpoint": OpKind(EmptyBody, _inference_checkpoint),
-}
 
 
 def _entry(worker: Worker, session_id: str) -> ModelEntry:
@@ -111,9 +43,8 @@ def _entry(worker: Worker, session_id: str) -> ModelEntry:
     return entry
 
 
-def _prepare(worker: Worker, session_id: str, kind: str, body: dict[str, Any]) -> EngineCall:
+def _prepare(worker: Worker, session_id: str, spec: Operation, body: dict[str, Any]) -> EngineCall:
     """Merge an uploaded payload, validate, check limits (blocking: runs in a thread)."""
-    spec = KINDS[kind]
     payload_id = body.get("payload_id")
     if payload_id is not None:
         if not isinstance(payload_id, str):
@@ -139,7 +70,8 @@ IDEMPOTENCY_HEADER = {
 }
 
 
-async def create_operation(request: Request, session_id: str, kind: str) -> dict[str, Any]:
+async def create_operation(request: Request, session_id: str, spec: Operation) -> dict[str, Any]:
+    kind = spec.kind
     worker = worker_of(request)
     worker.session(session_id)
     key = request.headers.get("idempotency-key", "").strip()
@@ -159,7 +91,7 @@ async def create_operation(request: Request, session_id: str, kind: str) -> dict
     digest = await run_in_threadpool(body_hash, kind, body)
     existing = worker.op_by_key(session_id, key)
     if existing is None:
-        call = await run_in_threadpool(_prepare, worker, session_id, kind, body)
+        call = await run_in_threadpool(_prepare, worker, session_id, spec, body)
         existing = worker.op_by_key(session_id, key)  # a concurrent retry may have won
     if existing is not None:
         if existing.body_hash != digest:
@@ -193,11 +125,12 @@ async def get_operation(
     return operation_json(worker.find_operation(session_id, kind, operation_id))
 
 
-def _routes(kind: str, spec: OpKind) -> None:
-    """One POST and one GET per kind, so the OpenAPI schema names each kind's body."""
+def add_routes(router: APIRouter, spec: Operation) -> None:
+    """One POST and one GET per table entry, so the OpenAPI schema names each kind's body."""
+    kind = spec.kind
 
     async def post(request: Request, session_id: str) -> dict[str, Any]:
-        return await create_operation(request, session_id, kind)
+        return await create_operation(request, session_id, spec)
 
     async def poll(request: Request, session_id: str, operation_id: str) -> dict[str, Any]:
         return await get_operation(request, session_id, kind, operation_id)
@@ -210,5 +143,5 @@ def _routes(kind: str, spec: OpKind) -> None:
     router.add_api_route(f"{base}/{{operation_id}}", poll, methods=["GET"], name=f"get_{name}")
 
 
-for _kind_name, _spec in KINDS.items():
-    _routes(_kind_name, _spec)
+for _spec in OPERATIONS.values():
+    add_routes(router, _spec)

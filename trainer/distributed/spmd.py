@@ -5,62 +5,62 @@ outcome together; ranks other than 0 loop in `run_worker`."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, cast, get_type_hints
 
+from pydantic import TypeAdapter
+
+from trainer.api.operations import METHODS
 from trainer.checkpoints import CheckpointCorrupt, CheckpointRecord, CheckpointStore
 from trainer.distributed.comm import Comm, fault_point
-from trainer.distributed.resource import FollowerStore, ShardedModelResource
+from trainer.distributed.follower_store import FollowerStore
+from trainer.distributed.sharding import Sharded
 from trainer.errors import OperationError
+from trainer.resource import ModelResource
 from trainer.session import EngineOptions, TrainingSession
-from trainer.specs import (
-    AdamParams,
-    Gradient,
-    LossConfig,
-    ModelEntry,
-    ModelInput,
-    ResourceSpec,
-    Sample,
-    SamplingParams,
-    SessionSpec,
-)
+from trainer.specs import ModelEntry, ResourceSpec, SessionSpec
 
 log = logging.getLogger(__name__)
+_ADAPTERS: dict[Callable[..., Any], dict[str, TypeAdapter[Any]]] = {}
+
+
+def _adapters(method: Callable[..., Any]) -> dict[str, TypeAdapter[Any]]:
+    """One JSON codec per parameter of an engine method, from its own annotations."""
+    func = getattr(method, "__func__", method)
+    adapters = _ADAPTERS.get(func)
+    if adapters is None:
+        hints = get_type_hints(func)
+        names = [n for n in inspect.signature(func).parameters if n != "self"]
+        adapters = {n: TypeAdapter(hints.get(n, Any)) for n in names}
+        _ADAPTERS[func] = adapters
+    return adapters
+
+
+def encode_args(method: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """A call's arguments as JSON, by parameter name (rank 0, before the broadcast)."""
+    bound = inspect.signature(method).bind(*args, **kwargs)
+    adapters = _adapters(method)
+    return {n: adapters[n].dump_python(v, mode="json") for n, v in bound.arguments.items()}
+
+
+def decode_args(method: Callable[..., Any], args: dict[str, Any]) -> dict[str, Any]:
+    """The typed keyword arguments back from `encode_args`'s JSON (every rank)."""
+    adapters = _adapters(method)
+    return {n: adapters[n].validate_python(v) for n, v in args.items()}
 
 
 def _session_op(session: TrainingSession, op: str, args: dict[str, Any]) -> Any:
-    samples = [Sample.model_validate(s) for s in args.get("samples", [])]
-    if op == "forward_backward":
-        return session.forward_backward(
-            LossConfig.model_validate(args["loss"]),
-            samples,
-            forward_only=args["forward_only"],
-            return_loss_fn_outputs=args["return_loss_fn_outputs"],
-        )
-    if op == "custom_forward_backward":
-        gradients = [Gradient.model_validate(g) for g in args["gradients"]]
-        return session.custom_forward_backward(samples, gradients)
-    if op == "optim_step":
-        return session.optim_step(AdamParams.model_validate(args["adam"]))
-    if op == "weights_sync":
-        return session.weights_sync(args["sync_type"])
-    if op == "sample":
-        return session.sample(
-            [ModelInput.model_validate(m) for m in args["model_inputs"]],
-            num_samples=args["num_samples"],
-            sampling_params=SamplingParams.model_validate(args["sampling_params"]),
-            prompt_logprobs=args["prompt_logprobs"],
-            topk_prompt_logprobs=args["topk_prompt_logprobs"],
-        )
-    if op == "save_training_checkpoint":
-        return session.save_training_checkpoint()
-    if op == "save_inference_checkpoint":
-        return session.save_inference_checkpoint()
-    raise ValueError(f"unknown session operation {op!r}")
+    """Every rank: the operation table's engine method `op`, called with the decoded args."""
+    if op not in METHODS:
+        raise ValueError(f"unknown session operation {op!r}")
+    method = getattr(session, op)
+    return method(**decode_args(method, args))
 
 
 class Executor:
@@ -70,20 +70,19 @@ class Executor:
         self.comm = comm
         self.options = options
         self.cpu_offload = cpu_offload
-        self.resources: dict[str, ShardedModelResource] = {}
+        self.resources: dict[str, ModelResource] = {}
         self.follower_store = FollowerStore()
 
     def run(self, command: dict[str, Any], store: CheckpointStore | None = None) -> Any:
         op = command["op"]
         fault_point(op)
         if op == "load_resource":
-            resource = ShardedModelResource(
+            resource = ModelResource(
                 ModelEntry.model_validate(command["entry"]),
                 ResourceSpec.model_validate(command["spec"]),
                 store if store is not None else cast(CheckpointStore, self.follower_store),
-                self.comm,
                 options=self.options,
-                cpu_offload=self.cpu_offload,
+                placement=Sharded(self.comm, self.cpu_offload),
             )
             self.resources[command["resource"]] = resource
             return resource
@@ -233,8 +232,10 @@ class DistributedSession:
         self.local = local
         self.id = local.id
 
-    def _call(self, op: str, **args: Any) -> Any:
-        command = {"op": op, "resource": self._resource_id, "session": self.id, "args": args}
+    def _forward(self, op: str, *args: Any, **kwargs: Any) -> Any:
+        """Run the session method `op` on every rank; rank 0's result."""
+        encoded = encode_args(getattr(self.local, op), *args, **kwargs)
+        command = {"op": op, "resource": self._resource_id, "session": self.id, "args": encoded}
         return self._spmd.call(command)
 
     @property
@@ -244,73 +245,12 @@ class DistributedSession:
     def policy_state(self) -> dict[str, Any]:
         return self.local.policy_state()
 
-    def __getattr__(self, name: str) -> Any:  # spec, active, training_checkpoints, ...
+    def __getattr__(self, name: str) -> Any:
+        """The operation table's methods run on every rank; the rest (spec, active,
+        training_checkpoints, ...) read rank 0's session."""
+        if name in METHODS:
+            return functools.partial(self._forward, name)
         return getattr(self.local, name)
-
-    def forward_backward(
-        self,
-        loss: LossConfig,
-        samples: list[Sample],
-        *,
-        forward_only: bool = False,
-        return_loss_fn_outputs: bool = False,
-    ) -> dict[str, Any]:
-        return cast(
-            dict[str, Any],
-            self._call(
-                "forward_backward",
-                loss=loss.model_dump(mode="json"),
-                samples=[s.model_dump(mode="json") for s in samples],
-                forward_only=forward_only,
-                return_loss_fn_outputs=return_loss_fn_outputs,
-            ),
-        )
-
-    def custom_forward_backward(
-        self, samples: list[Sample], gradients: list[Gradient]
-    ) -> dict[str, Any]:
-        return cast(
-            dict[str, Any],
-            self._call(
-                "custom_forward_backward",
-                samples=[s.model_dump(mode="json") for s in samples],
-                gradients=[g.model_dump(mode="json") for g in gradients],
-            ),
-        )
-
-    def optim_step(self, adam: AdamParams) -> dict[str, Any]:
-        return cast(dict[str, Any], self._call("optim_step", adam=adam.model_dump(mode="json")))
-
-    def weights_sync(self, sync_type: str) -> dict[str, Any]:
-        return cast(dict[str, Any], self._call("weights_sync", sync_type=sync_type))
-
-    def sample(
-        self,
-        model_inputs: list[ModelInput],
-        *,
-        num_samples: int = 1,
-        sampling_params: SamplingParams | None = None,
-        prompt_logprobs: bool = False,
-        topk_prompt_logprobs: int = 0,
-    ) -> dict[str, Any]:
-        params = sampling_params or SamplingParams()
-        return cast(
-            dict[str, Any],
-            self._call(
-                "sample",
-                model_inputs=[m.model_dump(mode="json") for m in model_inputs],
-                num_samples=num_samples,
-                sampling_params=params.model_dump(mode="json"),
-                prompt_logprobs=prompt_logprobs,
-                topk_prompt_logprobs=topk_prompt_logprobs,
-            ),
-        )
-
-    def save_training_checkpoint(self) -> CheckpointRecord:
-        return cast(CheckpointRecord, self._call("save_training_checkpoint"))
-
-    def save_inference_checkpoint(self) -> CheckpointRecord:
-        return cast(CheckpointRecord, self._call("save_inference_checkpoint"))
 
 
 class DistributedResource:
@@ -327,7 +267,7 @@ class DistributedResource:
             "entry": entry.model_dump(mode="json"),
             "spec": spec.model_dump(mode="json"),
         }
-        self.local = cast(ShardedModelResource, spmd.call(command, store=store))
+        self.local = cast(ModelResource, spmd.call(command, store=store))
         self.lora = self.local.lora
         self.entry, self.spec, self.store = self.local.entry, self.local.spec, self.local.store
 
