@@ -22,8 +22,8 @@ import torch
 
 from trainer.arrays import as_float32, first
 from trainer.errors import invalid
-from trainer.losses import LossNorm
-from trainer.specs import Gradient, Sample
+from trainer.options import ROW_TOKENS, TOKEN_BUDGET
+from trainer.specs import Gradient, InputRule, Sample
 
 FLOAT_INPUTS = ("logprobs", "advantages", "reference_logprobs", "weights", "mask")
 
@@ -157,6 +157,26 @@ def _check_ids(values: Any, vocab_size: int, where: str) -> npt.NDArray[np.int64
     return ids
 
 
+def check_rules(samples: list[PreparedSample], rules: tuple[InputRule, ...]) -> None:
+    """The inputs a loss needs only with its params (`LossSpec.rules_for`), after every sample
+    passed `prepare_samples`."""
+    for rule in rules:
+        for s in samples:
+            if rule.input not in s.inputs:
+                raise invalid(
+                    f"samples[{s.index}].loss_fn_inputs.{rule.input}", f"is required {rule.reason}"
+                )
+
+
+@dataclass(frozen=True)
+class LossNorm:
+    """Call-level denominators, fixed before the first micro-batch of a call."""
+
+    total_mask: float  # Σ m_t over the whole call
+    total_samples: int  # number of samples in the whole call
+    horizon: int  # longest sample's token count in the whole call (FIXED_HORIZON's H)
+
+
 def loss_norm(samples: list[PreparedSample]) -> LossNorm:
     """The call-level denominators, fixed before the first micro-batch."""
     return LossNorm(
@@ -173,12 +193,14 @@ class MicroBatch:
     `tokens_R_L`, `position_ids_R_L` and `attention_mask_R_1_L_L` feed the decoder;
     `keep_index_P` indexes the flattened `[R*L]` hidden states of the kept positions, in the
     order of `samples` and then position; `sample_index_P` is the micro-batch-local sample index.
+    `segment_R_L`: the sample index at each position (-1: padding); the dense mask is built from
+    it only when an attention asks for one (a varlen attention never does).
     """
 
     samples: list[PreparedSample]
     tokens_R_L: torch.Tensor
     position_ids_R_L: torch.Tensor
-    attention_mask_R_1_L_L: torch.Tensor
+    segment_R_L: torch.Tensor
     keep_index_P: torch.Tensor
     sample_index_P: torch.Tensor
     targets_P: torch.Tensor
@@ -187,6 +209,18 @@ class MicroBatch:
     @property
     def num_tokens(self) -> int:
         return sum(s.length for s in self.samples)
+
+    @property
+    def attention_mask_R_1_L_L(self) -> torch.Tensor:
+        """The block-diagonal causal mask (True = attend), built on each call."""
+        segment = self.segment_R_L
+        width = segment.shape[1]
+        causal = torch.ones(width, width, dtype=torch.bool).tril()
+        same = segment[:, :, None] == segment[:, None, :]
+        mask = (causal[None] & same & (segment[:, :, None] >= 0))[:, None]
+        # Padding rows attend to themselves only, so no softmax row is empty.
+        eye = torch.eye(width, dtype=torch.bool)[None, None]
+        return mask | (eye & (segment[:, None, :, None] < 0))
 
     def gather(self, name: str) -> torch.Tensor | None:
         """A per-token input of the samples, at the kept positions, in `_P` order."""
@@ -248,7 +282,7 @@ class MicroBatch:
 
 
 def pack(
-    samples: list[PreparedSample], *, row_tokens: int = 2048, token_budget: int = 16384
+    samples: list[PreparedSample], *, row_tokens: int = ROW_TOKENS, token_budget: int = TOKEN_BUDGET
 ) -> list[MicroBatch]:
     """First-fit-decreasing packing into rows, rows grouped into micro-batches by token budget."""
     capacity = max(row_tokens, max(s.length for s in samples))
@@ -290,12 +324,6 @@ def _build(rows: list[list[PreparedSample]]) -> MicroBatch:
             segment[r, offset : offset + n] = sample.index
             placed.append((sample, r, offset))
             offset += n
-    causal = torch.ones(width, width, dtype=torch.bool).tril()
-    same = segment[:, :, None] == segment[:, None, :]
-    mask = (causal[None] & same & (segment[:, :, None] >= 0))[:, None]
-    # Padding rows attend to themselves only, so no softmax row is empty.
-    eye = torch.eye(width, dtype=torch.bool)[None, None]
-    mask = mask | (eye & (segment[:, None, :, None] < 0))
     placed.sort(key=lambda item: item[0].index)
     keep, sample_index, targets = [], [], []
     for local, (sample, r, offset) in enumerate(placed):
@@ -307,7 +335,7 @@ def _build(rows: list[list[PreparedSample]]) -> MicroBatch:
         samples=[item[0] for item in placed],
         tokens_R_L=tokens,
         position_ids_R_L=positions,
-        attention_mask_R_1_L_L=mask,
+        segment_R_L=segment,
         keep_index_P=torch.cat(keep),
         sample_index_P=torch.cat(sample_index),
         targets_P=torch.cat(targets),

@@ -15,7 +15,7 @@ Two backward paths, one result:
   under LoRA: 6·C·H·V FLOPs per chunk instead of 8).
 - any other head is recomputed per chunk with `torch.utils.checkpoint`, which replays the RNG
   state.
-- opt-in (`backend="liger"` or `$TRAINER_LOGPROBS_BACKEND=liger`): liger-kernel's fused linear
+- opt-in (`backend="liger"`, the engine's `logprob_backend`): liger-kernel's fused linear
   cross entropy on CUDA, for a plain `nn.Linear` head, when the package is installed.
 
 `torch.logsumexp` is avoided on purpose: on CPU it is ~5x slower than max + exp + sum over a
@@ -26,18 +26,18 @@ engine and the sampler both call it.
 from __future__ import annotations
 
 import importlib.util
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from trainer.options import CHUNK_TOKENS
+
 if TYPE_CHECKING:
     from trainer.batch import MicroBatch
 
-DEFAULT_CHUNK_TOKENS = 1024
-BACKEND_ENV = "TRAINER_LOGPROBS_BACKEND"  # "liger": liger-kernel's fused path where it applies
+DEFAULT_CHUNK_TOKENS = CHUNK_TOKENS
 
 
 def _lse_(logits_C_V: torch.Tensor) -> torch.Tensor:
@@ -198,12 +198,12 @@ def token_logprobs(
     *,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     with_entropy: bool = False,
-    backend: str | None = None,
+    backend: str = "ours",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Return (`logprobs_N` fp32, `entropy_N` fp32 without gradient, or None).
 
     `logprobs_N[i] = log softmax(head(hidden_N_H[i]))[targets_N[i]]`.
-    `backend`: None (ours; or `$TRAINER_LOGPROBS_BACKEND`), "ours", or "liger" (liger-kernel's
+    `backend`: "ours", or "liger" (liger-kernel's
     fused linear cross entropy, used only on CUDA, for a plain `nn.Linear` head, without
     entropy, when the package is installed; ours otherwise).
     """
@@ -239,25 +239,42 @@ def token_logprobs(
 
 
 def batch_logprobs(
-    model: Any, batch: MicroBatch, device: torch.device, chunk_tokens: int, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Decoder over a micro-batch's packed rows, then the chunked head at the kept positions.
+    model: Any,
+    batch: MicroBatch,
+    device: torch.device,
+    chunk_tokens: int,
+    with_entropy: bool,
+    *,
+    backend: str = "ours",
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Decoder over a micro-batch's packed rows, then the chunked head at the kept positions:
+    (`logprobs_P`, `entropy_P` or None, `link`).
 
     With a varlen attention (FlashAttention, or our exact `packed_sdpa` on CPU) the samples go in
     as one unpadded row; otherwise as padded rows with a block-diagonal causal mask, in the form
-    the model's attention takes (`MicroBatch.attention_mask`).
-    """
+    the model's attention takes (`MicroBatch.attention_mask`). `link` is a zero that depends on
+    every parameter the forward used, so that a backward reaches each FSDP unit even when no
+    token of the batch is kept."""
     dtype = getattr(model, "dtype", torch.float32)
     inputs, keep_P = batch.decoder_inputs(model.config._attn_implementation, device, dtype)
     hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
-    hidden_P_H = hidden.reshape(-1, hidden.shape[-1])[keep_P]
-    return token_logprobs(
-        hidden_P_H,
-        model.get_output_embeddings(),
-        batch.targets_P.to(device),
+    hidden_N_H = hidden.reshape(-1, hidden.shape[-1])
+    head = model.get_output_embeddings()
+    targets_P = batch.targets_P.to(device)
+    logprobs_P, entropy_P = token_logprobs(
+        hidden_N_H[keep_P],
+        head,
+        targets_P,
         chunk_tokens=chunk_tokens,
         with_entropy=with_entropy,
+        backend=backend,
     )
+    if keep_P.numel() > 0:
+        link = logprobs_P.sum() * 0.0
+    else:
+        first, _ = token_logprobs(hidden_N_H[:1], head, targets_P.new_zeros(1))
+        link = first.sum() * 0.0
+    return logprobs_P, entropy_P, link
 
 
 def _forward_only(
@@ -311,8 +328,7 @@ def liger_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
 
 
-def _use_liger(backend: str | None, head: nn.Module, hidden_N_H: torch.Tensor) -> bool:
-    backend = backend or os.environ.get(BACKEND_ENV, "ours")
+def _use_liger(backend: str, head: nn.Module, hidden_N_H: torch.Tensor) -> bool:
     if backend not in ("ours", "liger"):
         raise ValueError(f"unknown logprobs backend {backend!r} (ours, liger)")
     return (

@@ -73,9 +73,13 @@ def local_dir(location: str, revision: str | None = None) -> Path:
     return Path(snapshot_download(hub_id(location), revision=revision))
 
 
-def load_base_model(entry: ModelEntry, device: torch.device) -> tuple[Any, Any]:
+def load_base_model(
+    entry: ModelEntry, device: torch.device, load_on: torch.device | None = None
+) -> tuple[Any, Any]:
     """Load the base model (and its tokenizer, when it has one) for a catalogue entry.
 
+    `device` computes (it picks the dtype and the attention); the weights are read onto
+    `load_on` (default: `device`; the CPU when they are sharded afterwards).
     Safe to call from several threads at once (loads take turns with each other and with
     operations; the download, if any, runs outside the lock)."""
     from transformers.utils import logging as hf_logging
@@ -93,7 +97,7 @@ def load_base_model(entry: ModelEntry, device: torch.device) -> tuple[Any, Any]:
             trust_remote_code=entry.trust_remote_code,
             attn_implementation=attn,
         )
-        model.to(device)  # type: ignore[arg-type]
+        model.to(load_on or device)  # type: ignore[arg-type]
         if attn == "sdpa":
             from trainer.batch import use_packed_sdpa
 

@@ -19,7 +19,7 @@ import copy
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed
@@ -45,9 +45,19 @@ class Policy(abc.ABC):
     def model(self) -> Any:
         """The transformers model whose forward uses the active weights."""
 
-    @abc.abstractmethod
-    def training(self, train: bool) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def training(self, train: bool) -> Iterator[None]:
         """Make this session's trainable weights the active ones (train or eval mode)."""
+        module = self._activate_trainable()
+        module.train(train)
+        try:
+            yield
+        finally:
+            module.eval()
+
+    @abc.abstractmethod
+    def _activate_trainable(self) -> nn.Module:
+        """Make the trainable weights the active ones; the module whose mode `training` sets."""
 
     @abc.abstractmethod
     def published(self) -> contextlib.AbstractContextManager[nn.Module]:
@@ -176,14 +186,9 @@ class LoraPolicy(Policy):
                     module.lora_A[key].requires_grad_(trainable)
                     module.lora_B[key].requires_grad_(trainable)
 
-    @contextlib.contextmanager
-    def training(self, train: bool) -> Iterator[None]:
+    def _activate_trainable(self) -> nn.Module:
         self._activate(self.name)
-        self.peft.train(train)
-        try:
-            yield
-        finally:
-            self.peft.eval()
+        return cast(nn.Module, self.peft)
 
     @contextlib.contextmanager
     def published(self) -> Iterator[nn.Module]:
@@ -262,13 +267,8 @@ class FullPolicy(Policy):
     def model(self) -> Any:
         return self._model
 
-    @contextlib.contextmanager
-    def training(self, train: bool) -> Iterator[None]:
-        self._model.train(train)
-        try:
-            yield
-        finally:
-            self._model.eval()
+    def _activate_trainable(self) -> nn.Module:
+        return cast(nn.Module, self._model)
 
     @contextlib.contextmanager
     def published(self) -> Iterator[nn.Module]:

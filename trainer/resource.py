@@ -7,15 +7,15 @@ when it ends, the base weights are reloaded so the next session starts from the 
 
 from __future__ import annotations
 
-import json
 import os
-import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor
 
+from trainer import training_state
 from trainer.checkpoints import INFERENCE, CheckpointCorrupt, CheckpointStore
 from trainer.errors import OperationError, invalid
 from trainer.model import (
@@ -23,20 +23,20 @@ from trainer.model import (
     default_device,
     is_adapter_dir,
     is_tied,
-    load_base_model,
     local_dir,
     read_model_weights,
     with_context_limit,
 )
-from trainer.policy import FullPolicy, LoraPolicy, Policy, layout_like
-from trainer.session import EngineOptions, TrainingSession, Versions
+from trainer.placement import Placement, Plain
+from trainer.policy import LoraPolicy, Policy, layout_like
+from trainer.session import EngineOptions, TrainingSession
 from trainer.specs import LoraConfig, ModelEntry, ResourceSpec, SessionSpec
-
-SHARDED_DIR = "sharded"  # a multi-rank training checkpoint's tensors (weights + optimizer)
+from trainer.training_state import tied_source
 
 
 class ModelResource:
-    session_type: type[TrainingSession] = TrainingSession
+    """`placement` (default: the whole model on `device`, one process) says where the model
+    lives and how the ranks talk; everything else is the same for one rank or many."""
 
     def __init__(
         self,
@@ -45,14 +45,17 @@ class ModelResource:
         store: CheckpointStore,
         device: str | None = None,
         options: EngineOptions | None = None,
+        placement: Placement | None = None,
     ) -> None:
         self.entry = entry
         self.spec = spec
         self.store = store
-        self.device = torch.device(device) if device else default_device()
+        self.placement = placement or Plain(torch.device(device) if device else default_device())
+        self.device = self.placement.device
+        self.comm = self.placement.comm
         self.options = options or EngineOptions()
         self.lock = COMPUTE_LOCK  # process-wide: resources (and loads) take turns
-        self.model, self.tokenizer = self._load_model()
+        self.model, self.tokenizer = self.placement.load(self.entry)
         # the model's own context length bounds every sample, or the configured one if smaller
         self.entry = with_context_limit(entry, self.model.config.to_dict())
         if self.options.activation_checkpointing:
@@ -75,15 +78,11 @@ class ModelResource:
             eos if isinstance(eos, list) else [eos] if eos is not None else []
         )
 
-    def _load_model(self) -> tuple[Any, Any]:
-        return load_base_model(self.entry, self.device)
-
     def _draw_seed(self) -> int:
-        """A fresh session seed when the spec gives none."""
-        return _random_seed()
-
-    def _full_policy(self) -> Policy:
-        return FullPolicy(self.model, with_generator=self.has_generator)
+        """A fresh session seed when the spec gives none: rank 0 draws, every rank uses it
+        (replicas must agree on the session's RNG)."""
+        drawn = _random_seed() if self.comm.rank == 0 else None
+        return int(self.comm.broadcast_json(drawn))
 
     # -- sessions --------------------------------------------------------------------------
 
@@ -132,8 +131,9 @@ class ModelResource:
             self._base_dirty = True
             if untie_head and is_tied(self.model):
                 _untie_head(self.model)
-            policy = self._full_policy()
-        return self.session_type(
+            policy = self.placement.full_policy(self.model, self.has_generator)
+        self._adapters_to_device()
+        return TrainingSession(
             resource=self,
             id=session_id,
             spec=spec,
@@ -141,6 +141,14 @@ class ModelResource:
             rng_seed=rng_seed,
             options=self.options,
         )
+
+    def _adapters_to_device(self) -> None:
+        """peft puts a new adapter where the base weight lives: the CPU for a shard under
+        `cpu_offload`. Adapters are not FSDP's to move, so they join the compute device here."""
+        with torch.no_grad():
+            for param in self.model.parameters():
+                if not isinstance(param, DTensor) and param.device != self.device:
+                    param.data = param.data.to(self.device)
 
     def _check_rank(self, config: LoraConfig, field: str, source: str) -> None:
         """The effective LoRA config (a resumed checkpoint's own) within the model's limit."""
@@ -158,7 +166,7 @@ class ModelResource:
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, param in params.items():
-                value = weights[name] if name in weights else weights[_tied_source(name)]
+                value = weights[name] if name in weights else weights[tied_source(name)]
                 param.copy_(layout_like(param, value, cast=False))
 
     def _resume_checkpoint(self, session_id: str, spec: SessionSpec) -> TrainingSession:
@@ -170,7 +178,7 @@ class ModelResource:
             raise invalid(field, f"no checkpoint {checkpoint_id!r}") from None
         except CheckpointCorrupt as exc:
             raise invalid(field, str(exc)) from None
-        state = json.loads((record.path / "state.json").read_text())
+        state = training_state.read_state(record.path)
         if state["base_model"] != self.entry.name:
             raise invalid(
                 field,
@@ -185,45 +193,21 @@ class ModelResource:
         if record.type == INFERENCE:
             if spec.load_optimizer:
                 raise invalid("load_optimizer", "an inference checkpoint has no optimizer state")
-            source = record.path / ("adapter" if self.lora else "merged")
+            source = training_state.inference_weights(record.path, self.lora)
             return self._from_directory(session_id, spec, source, field)
-        lora_config = LoraConfig(**state["lora_config"]) if state["lora_config"] else LoraConfig()
+        lora_config = training_state.lora_config_of(state)
         self._check_rank(lora_config, field, f"checkpoint {checkpoint_id}: its ")
         load_optimizer = spec.load_optimizer is not False
         session = self._new_session(
             session_id, spec, lora_config, seed=state["rng_seed"] if load_optimizer else None
         )
-        try:
-            self._restore_tensors(session, record.path, load_optimizer, field)
-            if load_optimizer:
-                session.restore_rng(load_file(str(record.path / "rng.safetensors")))
-                session.step = state["step"]
-                session.versions = Versions(
-                    trainer_step=state["trainer_step"],
-                    target_weights_version=state["trainer_step"],
-                    applied_weights_version=state["trainer_step"],
-                )
-            session.policy.publish()
-        except ValueError as exc:
-            session.close()
-            raise invalid(field, str(exc)) from None
-        self.sessions[session_id] = session
-        return session
-
-    def _restore_tensors(
-        self, session: TrainingSession, path: Path, load_optimizer: bool, field: str
-    ) -> None:
-        """Weights (and the optimizer state) of a training checkpoint into a new session."""
-        if (path / "weights.safetensors").exists():
-            weights = load_file(str(path / "weights.safetensors"))
-            optimizer = load_file(str(path / "optimizer.safetensors")) if load_optimizer else {}
-        else:  # written by several ranks: see trainer/distributed.py
-            tensors = read_sharded(path / SHARDED_DIR)
-            weights = {k: v for k, v in tensors.items() if "::" not in k}
-            optimizer = {k: v for k, v in tensors.items() if "::" in k}
-        session.policy.load_weights(weights, field)
-        if load_optimizer:
-            session.load_optimizer_tensors(optimizer)
+        return self._install(
+            session,
+            field,
+            lambda: training_state.read_training(
+                session, record.path, state, load_optimizer, field
+            ),
+        )
 
     def _resume_hf(self, session_id: str, spec: SessionSpec) -> TrainingSession:
         field = "resume_from_hf_checkpoint"
@@ -241,37 +225,30 @@ class ModelResource:
         adapter = is_adapter_dir(source)
         if self.lora and not adapter:
             raise invalid(field, "a LoRA resource resumes from a PEFT adapter directory")
-        if adapter:
-            raw = json.loads((source / "adapter_config.json").read_text())
-            lora_config = LoraConfig(
-                rank=raw["r"],
-                alpha=raw["lora_alpha"],
-                dropout=raw.get("lora_dropout", 0.0),
-                train_unembed=_targets_head(raw.get("target_modules"), self.model),
-            )
-            weights = load_file(str(source / "adapter_model.safetensors"))
-        else:
-            lora_config = LoraConfig()
-            weights = read_model_weights(source)
+        lora_config, weights = training_state.read_directory(source, adapter)
         self._check_rank(lora_config, field, f"{source.name}: the adapter's ")
         untie = adapter and not self.lora and lora_config.train_unembed
         session = self._new_session(session_id, spec, lora_config, untie_head=untie)
+        return self._install(
+            session,
+            field,
+            lambda: training_state.load_directory_weights(
+                session.policy, weights, adapter, lora_config, field
+            ),
+        )
+
+    def _install(
+        self, session: TrainingSession, field: str, load: Callable[[], None]
+    ) -> TrainingSession:
+        """Load a new session's state, publish it, and list it; a refusal (`ValueError`)
+        closes it and names `field`."""
         try:
-            if self.lora:
-                session.policy.load_weights(weights, field)
-            elif adapter:
-                session.policy.load_weights(
-                    _merge_adapter(session.policy, weights, lora_config), field
-                )
-            else:
-                params = session.policy.trainable
-                tied = {n: weights.get(n, weights.get(_tied_source(n))) for n in params}
-                session.policy.load_weights({n: t for n, t in tied.items() if t is not None}, field)
+            load()
             session.policy.publish()
         except ValueError as exc:
             session.close()
             raise invalid(field, str(exc)) from None
-        self.sessions[session_id] = session
+        self.sessions[session.id] = session
         return session
 
     def close_session(self, session_id: str) -> None:
@@ -287,26 +264,6 @@ class ModelResource:
             self._peft = {"model": None}
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-
-
-def read_sharded(directory: Path) -> dict[str, torch.Tensor]:
-    """Full tensors from a checkpoint saved by `torch.distributed.checkpoint` in the
-    Hugging Face layout (one safetensors file per rank; each header holds the offsets of its
-    slices), assembled in this process without a process group. No pickle is read."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
-
-    reader = HuggingFaceStorageReader(str(directory))
-    metadata = reader.read_metadata().state_dict_metadata
-    tensors: dict[str, Any] = {
-        key: torch.empty(meta.size, dtype=meta.properties.dtype)  # type: ignore[union-attr]
-        for key, meta in metadata.items()
-    }
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-        warnings.filterwarnings("ignore", message=".*single process.*")
-        reader = HuggingFaceStorageReader(str(directory))
-        dcp.load(tensors, storage_reader=reader, no_dist=True)
-    return tensors
 
 
 def _random_seed() -> int:
@@ -331,33 +288,3 @@ def _untie_head(model: Any) -> None:
 def _retie_head(model: Any) -> None:
     model.get_output_embeddings().weight = model.get_input_embeddings().weight
     _set_tied(model, True)
-
-
-def _tied_source(name: str) -> str:
-    """lm_head.weight of a tied checkpoint is stored under the input embedding's name."""
-    return "model.embed_tokens.weight" if name == "lm_head.weight" else name
-
-
-def _targets_head(target_modules: Any, model: Any) -> bool:
-    if not target_modules:
-        return False
-    names = [target_modules] if isinstance(target_modules, str) else list(target_modules)
-    return "lm_head" in names
-
-
-def _merge_adapter(
-    policy: Policy, adapter: dict[str, torch.Tensor], config: LoraConfig
-) -> dict[str, torch.Tensor]:
-    """Full weights = base + scale · B @ A for each adapted module of a PEFT adapter file."""
-    scale = config.alpha / config.rank
-    merged = {n: p.detach().clone() for n, p in policy.trainable.items()}
-    for key, a in adapter.items():
-        if ".lora_A." not in key:
-            continue
-        module = key.removeprefix("base_model.model.").split(".lora_A.")[0]
-        b = adapter[key.replace(".lora_A.", ".lora_B.")]
-        target = f"{module}.weight"
-        if target not in merged:
-            raise ValueError(f"adapter module {module} is not in this model")
-        merged[target] = merged[target] + scale * (b.float() @ a.float()).to(merged[target].dtype)
-    return merged

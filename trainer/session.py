@@ -13,26 +13,50 @@ Every operation validates its input before touching any state, runs under the re
 Each session has its own RNG state (LoRA dropout, sampling without a seed): it is swapped in
 for the session's operations only, so interleaved sessions do not perturb each other and a
 resumed session continues bit for bit.
+
+One code path for any world size: the resource's placement (`trainer/placement.py`) says
+where the model lives and gives the communicator. In one process (`Plain`, `Solo`) every
+collective is an identity; under torchrun (`distributed.sharding.Sharded`, `distributed.comm`)
+each rank runs its share of the samples, as many micro-batches as the busiest rank, and the
+losses, metrics, finite checks and gradient norm are global. The optimizer is `optim.py`; the
+checkpoint layout is `training_state.py`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from trainer.batch import MicroBatch, PreparedSample, loss_norm, pack, prepare_samples
-from trainer.checkpoints import INFERENCE, TRAINING, CheckpointRecord, save_tensors, write_json
-from trainer.errors import OperationError, invalid
+from trainer import optim, training_state
+from trainer.batch import (
+    MicroBatch,
+    PreparedSample,
+    check_rules,
+    loss_norm,
+    pack,
+    prepare_samples,
+)
+from trainer.checkpoints import INFERENCE, TRAINING, CheckpointRecord, write_json
+from trainer.distributed.comm import fault_point
+from trainer.errors import OperationError
 from trainer.logprobs import batch_logprobs
-from trainer.losses import LossInputs, LossOutputs, compute_loss, custom_loss
-from trainer.policy import Policy, cuda_devices, layout_like
+from trainer.losses import LossInputs, LossOutputs, custom_loss, pick_loss
+from trainer.options import EngineOptions
+from trainer.policy import Policy, cuda_devices
+from trainer.rounds import (
+    add_metrics,
+    call_result,
+    collect_outputs,
+    empty_batch,
+    merge_reports,
+    new_sums,
+    split_by_tokens,
+)
 from trainer.session_generator import GeneratorOps, Undo, Versions
 from trainer.specs import (
     AdamParams,
@@ -44,22 +68,13 @@ from trainer.specs import (
 from trainer.tracking import worker_run
 
 if TYPE_CHECKING:
-    from trainer.resource import ModelResource
-
-CHECKPOINT_FORMAT = 1
-
-
-@dataclass
-class EngineOptions:
-    row_tokens: int = 2048  # packing: tokens per packed row
-    token_budget: int = 16384  # tokens per micro-batch
-    chunk_tokens: int = 1024  # logprob head chunk
-    activation_checkpointing: bool = False  # recompute decoder layers in the backward
+    from trainer.handle import ResourceHandle
+    from trainer.placement import Communicator
 
 
 @dataclass
 class TrainingSession(GeneratorOps):
-    resource: ModelResource
+    resource: ResourceHandle
     id: str
     spec: SessionSpec
     policy: Policy
@@ -72,8 +87,9 @@ class TrainingSession(GeneratorOps):
     active: bool = True
 
     def __post_init__(self) -> None:
-        params = list(self.policy.trainable.values())
-        self.optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
+        self.optimizer: torch.optim.Optimizer = optim.new_adamw(
+            list(self.policy.trainable.values())
+        )
         gen = torch.Generator().manual_seed(self.rng_seed)
         self._cpu_rng = gen.get_state()
         self._cuda_rng = [torch.cuda.get_rng_state(i) for i in cuda_devices()]
@@ -89,6 +105,11 @@ class TrainingSession(GeneratorOps):
     @property
     def device(self) -> torch.device:
         return self.resource.device
+
+    @property
+    def comm(self) -> Communicator:
+        """The ranks this session runs on (one process: identities)."""
+        return self.resource.comm
 
     @contextlib.contextmanager
     def _running(self) -> Iterator[Undo]:
@@ -143,19 +164,13 @@ class TrainingSession(GeneratorOps):
         return_loss_fn_outputs: bool = False,
     ) -> dict[str, Any]:
         """Part B §1–5. Returns {"loss", "metrics", "loss_fn_outputs"?}."""
-        params = loss.params()
-        is_ce = loss.type == "LOSS_TYPE_CROSS_ENTROPY"
-        prepared = self._prepare(samples, loss.required_inputs, weights_are_mask=not is_ce)
-        if loss.type == "LOSS_TYPE_GRPO" and getattr(params, "beta", 0.0) > 0:
-            for s in prepared:
-                if "reference_logprobs" not in s.inputs:
-                    raise invalid(
-                        f"samples[{s.index}].loss_fn_inputs.reference_logprobs",
-                        "is required when grpo_params.beta > 0",
-                    )
+        spec, params = loss.spec, loss.params()
+        prepared = self._prepare(samples, spec.required, weights_are_mask=spec.weights_are_mask)
+        check_rules(prepared, spec.rules_for(params))
+        compute = pick_loss(loss.type, params)
 
         def fn(inputs: LossInputs, _: MicroBatch) -> LossOutputs:
-            return compute_loss(loss.type, inputs, params)
+            return compute(inputs)
 
         result = self._run(prepared, fn, forward_only, return_loss_fn_outputs)
         if self.tracker is not None and not forward_only:
@@ -201,9 +216,13 @@ class TrainingSession(GeneratorOps):
         return result
 
     def _pack(self, prepared: list[PreparedSample]) -> list[MicroBatch]:
-        """The micro-batches this process runs (all of the call's samples here)."""
+        """The micro-batches this rank runs: its share of the call's samples (all of them in
+        one process)."""
+        mine = split_by_tokens(prepared, self.comm.world_size)[self.comm.rank]
+        if not mine:
+            return []
         return pack(
-            prepared, row_tokens=self.options.row_tokens, token_budget=self.options.token_budget
+            mine, row_tokens=self.options.row_tokens, token_budget=self.options.token_budget
         )
 
     def _run_batches(
@@ -214,32 +233,84 @@ class TrainingSession(GeneratorOps):
         forward_only: bool,
         return_outputs: bool,
     ) -> dict[str, Any]:
+        """Every rank runs as many micro-batches as the busiest one (`empty_batch` when it has
+        none left) and no rank raises mid-call: the first failure is kept, every rank runs the
+        same collectives, and all fail together once the reports are exchanged."""
         total = 0.0
-        sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        sums = new_sums()
         outputs: dict[int, list[float]] = {}
-        for batch in batches:
-            with torch.set_grad_enabled(not forward_only):
-                logprobs_P, entropy_P = self._logprobs(batch, with_entropy=forward_only)
-                inputs = self._loss_inputs(batch, logprobs_P, norm)
-                try:
-                    out = fn(inputs, batch)
-                except ValueError as exc:
-                    raise OperationError("INVALID_INPUT", str(exc)) from None
-            if not torch.isfinite(out.loss):
-                raise OperationError("NON_FINITE_LOSS", f"the loss is not finite ({out.loss})")
-            if not forward_only and out.loss.requires_grad:
-                out.loss.backward()
-            total += float(out.loss.detach())
-            add_metrics(sums, out.metrics, entropy_P)
-            if return_outputs:
-                self._collect_outputs(batch, logprobs_P.detach().float().cpu(), outputs)
-        return call_result(total, sums, outputs if return_outputs else None, norm)
+        failure: list[str] | None = None
+        rounds = self.comm.max_int(len(batches))
+        try:
+            for i in range(rounds):
+                if failure is not None and self.comm.world_size == 1:
+                    break  # alone, nobody waits on our collectives: fail at once
+                fault_point("micro_batch")
+                real = i < len(batches)
+                batch = batches[i] if real else empty_batch()
+                with torch.set_grad_enabled(not forward_only):
+                    logprobs_P, entropy_P, link = self._logprobs(batch, forward_only)
+                    loss = link
+                    if real:
+                        out, failure = self._loss(fn, batch, logprobs_P, norm, failure)
+                        if out is not None:
+                            loss = out.loss + link
+                            total += float(out.loss.detach())
+                            add_metrics(sums, out.metrics)
+                if not forward_only and loss.requires_grad:
+                    loss.backward()
+                if real:
+                    add_metrics(sums, {}, entropy_P)
+                if real and return_outputs:
+                    collect_outputs(batch, logprobs_P.detach().float().cpu(), outputs)
+        finally:
+            if forward_only:
+                self.resource.placement.reshard()
+        reports = self.comm.all_gather_json(
+            {"loss": total, "sums": sums, "outputs": outputs, "failure": failure}
+        )
+        for report in reports:  # the same reports on every rank: all raise, or none
+            if report["failure"] is not None:
+                raise OperationError(*report["failure"])
+        if not forward_only:
+            optim.sum_replicated_grads(list(self.policy.trainable.values()), self.comm)
+        loss_total, merged, merged_outputs = merge_reports(reports)
+        return call_result(loss_total, merged, merged_outputs if return_outputs else None, norm)
+
+    def _loss(
+        self,
+        fn: Callable[[LossInputs, MicroBatch], LossOutputs],
+        batch: MicroBatch,
+        logprobs_P: torch.Tensor,
+        norm: Any,
+        failure: list[str] | None,
+    ) -> tuple[LossOutputs | None, list[str] | None]:
+        """The micro-batch's loss, or None and the call's first failure."""
+        try:
+            out = fn(self._loss_inputs(batch, logprobs_P, norm), batch)
+        except ValueError as exc:
+            return None, failure or ["INVALID_INPUT", str(exc)]
+        if not torch.isfinite(out.loss):
+            return None, failure or ["NON_FINITE_LOSS", f"the loss is not finite ({out.loss})"]
+        return out, failure
 
     def _logprobs(
         self, batch: MicroBatch, with_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return batch_logprobs(
-            self.policy.model, batch, self.device, self.options.chunk_tokens, with_entropy
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Logprobs (entropy) of the kept tokens, and the `link` that makes a backward reach
+        every parameter, computed the same way whatever the placement (packed varlen
+        attention, no `[rows, L, L]` mask, when the model's attention takes it)."""
+        return cast(
+            tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
+            self.resource.placement.run(
+                self.policy.model,
+                batch_logprobs,
+                batch,
+                self.device,
+                self.options.chunk_tokens,
+                with_entropy,
+                backend=self.options.logprob_backend,
+            ),
         )
 
     def _loss_inputs(self, batch: MicroBatch, logprobs_P: torch.Tensor, norm: Any) -> LossInputs:
@@ -261,19 +332,6 @@ class TrainingSession(GeneratorOps):
             reference_logprobs_N=get("reference_logprobs"),
         )
 
-    @staticmethod
-    def _collect_outputs(
-        batch: MicroBatch, logprobs_P: torch.Tensor, outputs: dict[int, list[float]]
-    ) -> None:
-        offset = 0
-        for sample in batch.samples:
-            kept = sample.mask_T != 0
-            n = int(kept.sum())
-            full = torch.zeros(sample.length, dtype=torch.float32)
-            full[kept] = logprobs_P[offset : offset + n]
-            outputs[sample.index] = full.tolist()
-            offset += n
-
     # -- gradients, kept apart until they are known to be finite ---------------------------
 
     def _stash_grads(self) -> dict[str, torch.Tensor | None]:
@@ -284,9 +342,7 @@ class TrainingSession(GeneratorOps):
         return stash
 
     def _check_new_grads(self) -> None:
-        grads = [p.grad for p in self.policy.trainable.values() if p.grad is not None]
-        if grads and not torch.isfinite(torch.nn.utils.get_total_norm(grads)):
-            raise OperationError("NON_FINITE_LOSS", "the gradient is not finite")
+        optim.check_finite_grads(list(self.policy.trainable.values()), self.comm)
 
     def _restore_grads(self, stash: dict[str, torch.Tensor | None]) -> None:
         for name, param in self.policy.trainable.items():
@@ -305,29 +361,9 @@ class TrainingSession(GeneratorOps):
         """AdamW (decoupled decay) with per-call knobs, global-norm clipping, then zero grads."""
         with self._running():
             params = list(self.policy.trainable.values())
-            grads = [p.grad for p in params if p.grad is not None]
-            norm = self._grad_norm(grads) if grads else 0.0
-            if not torch.isfinite(torch.tensor(norm)):
-                raise OperationError("NON_FINITE_LOSS", f"the gradient norm is {norm}")
-            if adam.grad_clip_norm > 0 and grads:
-                self._clip_grads(params, adam.grad_clip_norm, norm)
-            clipped = min(norm, adam.grad_clip_norm) if adam.grad_clip_norm > 0 else norm
-            for group in self.optimizer.param_groups:
-                group.update(
-                    lr=adam.learning_rate,
-                    betas=(adam.beta1, adam.beta2),
-                    eps=adam.eps,
-                    weight_decay=adam.weight_decay,
-                )
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            metrics = optim.adamw_step(self.optimizer, params, adam, self.comm)
             self.step += 1
             self.versions.trainer_step += 1
-        metrics = {
-            "grad_norm": norm,
-            "grad_norm_clipped": clipped,
-            "learning_rate": adam.learning_rate,
-        }
         if self.tracker is not None:
             self.tracker.log(self.step, {f"optim/{k}": v for k, v in metrics.items()})
         return {
@@ -335,42 +371,25 @@ class TrainingSession(GeneratorOps):
             "metrics": metrics,
         }
 
-    def _grad_norm(self, grads: list[torch.Tensor]) -> float:
-        """The global L2 norm of the gradients (all of them, wherever they live)."""
-        return float(torch.nn.utils.get_total_norm(grads))
-
-    def _clip_grads(self, params: list[torch.nn.Parameter], max_norm: float, norm: float) -> None:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(norm))
-
-    # -- checkpoints -----------------------------------------------------------------------
+    # -- checkpoints (the layout: `training_state.py`) -----------------------------------
 
     def save_training_checkpoint(self) -> CheckpointRecord:
         """Weights (adapter or full), AdamW state, counters, RNG states and specs. The files
         are written from the live tensors under the lock, with no copy-out (from an accelerator
         one tensor at a time); their fsync and sha256 finish once it is released (row 6)."""
-
-        def writer(out: Path) -> None:
-            with self._running():
-                weights = {n: p.detach() for n, p in self.policy.trainable.items()}
-                rng = {"cpu": self._cpu_rng.clone()}
-                rng.update({f"cuda{i}": s.clone() for i, s in enumerate(self._cuda_rng)})
-                # largest first: its sha256 starts while the others are written
-                save_tensors(self._optimizer_tensors(copy=False), out / "optimizer.safetensors")
-                save_tensors(weights, out / "weights.safetensors")
-                save_tensors(rng, out / "rng.safetensors")
-                write_json(out / "state.json", self._state_json())
-
-        record = self._store(TRAINING, writer)
+        meta = {"world_size": self.comm.world_size} if self.comm.world_size > 1 else {}
+        record = self._store(TRAINING, lambda out: training_state.write_training(self, out), **meta)
         self.training_checkpoints.append(record)
         return record
 
     def save_inference_checkpoint(self) -> CheckpointRecord:
-        """LoRA: `adapter/` (PEFT) + `merged/`; full weights: `merged/`."""
-        return self._write_inference()
-
-    def _write_inference(self, source: Any = None) -> CheckpointRecord:
-        """`source`: the model whose `state_dict()` is exported (default: the live one)."""
-        state = self._state_json()
+        """LoRA: `adapter/` (PEFT) + `merged/`; full weights: `merged/`. Sharded weights are
+        gathered to rank 0, which writes; the other ranks' result is never read."""
+        with self._running():
+            source = self.resource.placement.full_state(self.policy.model)
+        if self.comm.rank != 0:
+            return training_state.placeholder_record()
+        state = training_state.state_json(self)
 
         def writer(out: Path) -> None:
             self.policy.export_inference(out, self.resource.tokenizer, source)
@@ -397,46 +416,11 @@ class TrainingSession(GeneratorOps):
         config = getattr(self.policy, "config", None)
         return None if config is None else int(config.rank)
 
-    def _state_json(self) -> dict[str, Any]:
-        config = getattr(self.policy, "config", None)
-        return {
-            "format": CHECKPOINT_FORMAT,
-            "kind": self.policy.kind,
-            "base_model": self.resource.entry.name,
-            "step": self.step,
-            "trainer_step": self.versions.trainer_step,
-            "lora_config": None if config is None else config.model_dump(),
-            "lora_seed": getattr(self.policy, "seed", None),
-            "rng_seed": self.rng_seed,
-            "session_spec": json.loads(self.spec.model_dump_json()),
-            "resource_spec": json.loads(self.resource.spec.model_dump_json()),
-        }
-
-    def _optimizer_tensors(self, copy: bool = True) -> dict[str, torch.Tensor]:
-        """CPU copies, or (`copy=False`) the live state tensors, to be read under the lock."""
-        out = {}
-        for name, param in self.policy.trainable.items():
-            state = self.optimizer.state.get(param)
-            if not state:
-                continue
-            for key, value in state.items():
-                value = value.detach()
-                out[f"{name}::{key}"] = value.to("cpu", copy=True) if copy else value
-        return out
-
-    def load_optimizer_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        by_param: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
-        for key, value in tensors.items():
-            name, _, slot = key.rpartition("::")
-            if name not in self.policy.trainable:
-                raise ValueError(f"optimizer state names an unknown tensor {name}")
-            by_param[name][slot] = value
-        for name, state in by_param.items():
-            param = self.policy.trainable[name]
-            self.optimizer.state[param] = {
-                slot: (v if slot == "step" else layout_like(param, v, cast=False))
-                for slot, v in state.items()
-            }
+    def rng_tensors(self) -> dict[str, torch.Tensor]:
+        """The session's RNG states as a checkpoint holds them (copies)."""
+        rng = {"cpu": self._cpu_rng.clone()}
+        rng.update({f"cuda{i}": s.clone() for i, s in enumerate(self._cuda_rng)})
+        return rng
 
     def restore_rng(self, tensors: dict[str, torch.Tensor]) -> None:
         self._cpu_rng = tensors["cpu"].clone()
@@ -454,36 +438,3 @@ class TrainingSession(GeneratorOps):
             if self.tracker is not None:
                 self.tracker.finish()
                 self.tracker = None
-
-
-def add_metrics(
-    sums: dict[str, list[float]],
-    metrics: dict[str, tuple[float, float]],
-    entropy_P: torch.Tensor | None = None,
-) -> None:
-    """Add a micro-batch's (numerator, denominator) metrics, and its entropy, to the call's."""
-    for name, (num, den) in metrics.items():
-        sums[name][0] += num
-        sums[name][1] += den
-    if entropy_P is not None:
-        sums["loss/entropy/mean"][0] += float(entropy_P.sum())
-        sums["loss/entropy/mean"][1] += float(entropy_P.numel())
-
-
-def call_result(
-    total: float,
-    sums: dict[str, list[float]],
-    outputs: dict[int, list[float]] | None,
-    norm: Any,
-) -> dict[str, Any]:
-    """The call's result from its summed loss, metric (numerator, denominator) pairs and
-    per-sample logprobs."""
-    metrics = {name: (num / den if den else 0.0) for name, (num, den) in sums.items()}
-    metrics["loss/tokens"] = norm.total_mask
-    result: dict[str, Any] = {"loss": total, "metrics": metrics}
-    if outputs is not None:
-        result["loss_fn_outputs"] = [
-            {"tensors": {"logprobs": {"data": outputs[i], "dtype": "float32"}}}
-            for i in sorted(outputs)
-        ]
-    return result

@@ -11,7 +11,7 @@ leaves the generator, `applied_weights_version` and `pending_publish` as they we
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,8 +22,8 @@ from trainer.errors import invalid
 from trainer.specs import ModelInput, SamplingParams
 
 if TYPE_CHECKING:
+    from trainer.handle import ResourceHandle
     from trainer.policy import Policy
-    from trainer.resource import ModelResource
 
 SYNC_TYPES = (
     "WEIGHT_SYNC_TYPE_SYNCHRONOUS",
@@ -56,7 +56,7 @@ class Versions:
 class GeneratorOps:
     """Weights-sync and sample, for `TrainingSession`."""
 
-    resource: ModelResource
+    resource: ResourceHandle
     policy: Policy
     versions: Versions
 
@@ -109,7 +109,7 @@ class GeneratorOps:
         self._require_generator()
         prompts = self._check_prompts(model_inputs, num_samples, params, topk_prompt_logprobs)
         stop_hit = self._stop_checker(params.stop)
-        with self._running() as undo:
+        with self._running() as undo, self._resharding():
             self._apply_pending(undo)
             version = self.versions.applied_weights_version
             with self.policy.published() as model:
@@ -151,12 +151,25 @@ class GeneratorOps:
         return {"results": results}
 
     def _model_forward(self, model: torch.nn.Module) -> Callable[..., Any]:
-        """How generation calls the model (here: directly)."""
-        return model
+        """How generation calls the model: through the placement (the FSDP root, sharded)."""
+        placement = self.resource.placement
+
+        def forward(**kwargs: Any) -> Any:
+            return placement.run(model, _call_model, **kwargs)
+
+        return forward
 
     def _agree_tokens(self, chosen_S: torch.Tensor) -> torch.Tensor:
-        """The tokens every process continues with (here: the ones just chosen)."""
-        return chosen_S
+        """The tokens every rank continues with: rank 0's."""
+        return self.resource.comm.broadcast_(chosen_S.contiguous())
+
+    @contextlib.contextmanager
+    def _resharding(self) -> Iterator[None]:
+        """Generation only runs forwards: free what they leave gathered, however it ends."""
+        try:
+            yield
+        finally:
+            self.resource.placement.reshard()
 
     def _check_prompts(
         self,
@@ -212,3 +225,7 @@ class GeneratorOps:
             return any(stop in text for stop in stops)
 
         return hit
+
+
+def _call_model(model: Any, **kwargs: Any) -> Any:
+    return model(**kwargs)

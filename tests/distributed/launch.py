@@ -4,12 +4,13 @@ that dies does not take the others down with it: the tests watch how the survivo
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from trainer.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,12 +20,6 @@ class RankResult:
     rank: int
     returncode: int | None  # None: killed at the deadline
     log: str
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def run_ranks(

@@ -102,3 +102,20 @@ def resume_and_save(resource: Any, kind: str, checkpoint_id: str) -> dict[str, s
     }
     resource.close_session(f"{kind}-r")
     return saved
+
+
+def train_packed(resource: Any, kind: str) -> dict[str, Any]:
+    """One PPO forward-backward on 6 mixed-length samples packed several to a row, then a
+    forward: the calls whose attention `attention_spy` watches."""
+    session = resource.create_session(f"{kind}-p", session_spec(kind))
+    batch = random_batch(500, n=6, lengths=(2, 6), advantages="randn", logprobs="logprobs")
+    out = {
+        "train": session.forward_backward(LossConfig(type="LOSS_TYPE_PPO"), batch)["loss"],
+        "forward": session.forward_backward(
+            LossConfig(type="LOSS_TYPE_CROSS_ENTROPY"),
+            random_batch(501, n=5, lengths=(2, 6), weights="ones"),
+            forward_only=True,
+        )["loss"],
+    }
+    resource.close_session(f"{kind}-p")
+    return out

@@ -10,6 +10,7 @@ ranks serve commands in `run_worker` until rank 0 shuts them down.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from tests.distributed.attention_spy import spy
 from tests.distributed.scenario import (
     OPTIONS,
     drive,
@@ -26,10 +28,12 @@ from tests.distributed.scenario import (
     resource_spec,
     resume_and_save,
     session_spec,
+    train_packed,
 )
 from tests.engine.helpers import random_batch
 from trainer.checkpoints import CheckpointStore
-from trainer.distributed import DistributedResource, Spmd, init_distributed, run_worker
+from trainer.distributed.comm import init_distributed
+from trainer.distributed.spmd import DistributedResource, Spmd, run_worker
 from trainer.errors import OperationError
 from trainer.specs import LossConfig
 
@@ -82,7 +86,18 @@ def case_fault(spmd: Spmd, store: CheckpointStore, args: argparse.Namespace) -> 
     return {"errors": errors}
 
 
-CASES = {"train": case_train, "fault": case_fault}
+def case_attention(spmd: Spmd, store: CheckpointStore, args: argparse.Namespace) -> dict[str, Any]:
+    """Packed mixed-length calls on both kinds of session, under `attention_spy` (each rank
+    writes what its attention saw to `OUT.rank<r>.json`)."""
+    result = {}
+    for kind in ("full", "lora"):
+        resource = DistributedResource(spmd, entry(args.model_dir), resource_spec(kind), store)
+        result[kind] = train_packed(resource, kind)
+        resource.close()
+    return result
+
+
+CASES = {"train": case_train, "fault": case_fault, "attention": case_attention}
 
 
 def main() -> int:
@@ -93,6 +108,14 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--reference")
     args = parser.parse_args()
+    with spy() if args.case == "attention" else contextlib.nullcontext() as seen:
+        code = _run(args)
+    if seen is not None:
+        Path(f"{args.out}.rank{os.environ['RANK']}.json").write_text(json.dumps(seen))
+    return code
+
+
+def _run(args: argparse.Namespace) -> int:
     comm = init_distributed()
     spmd = Spmd(comm, options=OPTIONS)
     if comm.rank != 0:

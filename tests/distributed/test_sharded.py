@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from tests.distributed.launch import run_ranks
 from tests.distributed.scenario import OPTIONS, drive, entry, resource_spec, session_spec
+from trainer import optim
 from trainer.checkpoints import CheckpointStore
 from trainer.resource import ModelResource
 
@@ -189,7 +190,7 @@ def test_two_rank_checkpoint_resumes_on_one_rank_bit_for_bit(runs: Runs, kind: s
         session = resource.create_session("resumed", session_spec(kind, checkpoint_id))
         assert session.step == runs.two[kind]["step"]
         state = {n: p.detach().clone() for n, p in session.policy.trainable.items()}
-        state.update(session._optimizer_tensors())
+        state.update(optim.state_tensors(session.optimizer, session.policy.trainable))
         _assert_equal(saved, state)
     finally:
         resource.close()

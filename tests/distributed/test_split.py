@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from trainer.batch import PreparedSample
-from trainer.distributed.session import split_by_tokens
+from trainer.rounds import split_by_tokens
 
 
 def _samples(lengths: list[int]) -> list[PreparedSample]:

@@ -9,14 +9,14 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
+
+from trainer.spawn import free_port, wait_healthy
 
 pytestmark = pytest.mark.distributed
 
@@ -46,12 +46,6 @@ SAMPLES = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _launch(ranks: int, model_dir: Path, storage: Path, port: int) -> subprocess.Popen:
     serve = [
         "serve",
@@ -74,7 +68,7 @@ def _launch(ranks: int, model_dir: Path, storage: Path, port: int) -> subprocess
             torchrun,
             "--standalone",
             f"--nproc-per-node={ranks}",
-            f"--master-port={_free_port()}",
+            f"--master-port={free_port()}",
             "-m",
             "trainer",
             *serve,
@@ -89,18 +83,10 @@ def _launch(ranks: int, model_dir: Path, storage: Path, port: int) -> subprocess
     )
 
 
-def _train(port: int) -> list[float]:
+def _train(port: int, proc: subprocess.Popen) -> list[float]:
     from together.post_training import ModelResourcesClient
 
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the worker did not come up"
-        time.sleep(0.5)
+    wait_healthy(f"http://127.0.0.1:{port}", proc.poll, timeout=120, interval=0.5)
     resource = ModelResourcesClient.create(
         api_key=TOKEN, base_url=f"http://127.0.0.1:{port}/v1", base_model="tiny"
     )
@@ -119,10 +105,10 @@ def _train(port: int) -> list[float]:
 
 
 def _run(ranks: int, model_dir: Path, storage: Path) -> list[float]:
-    port = _free_port()
+    port = free_port()
     proc = _launch(ranks, model_dir, storage, port)
     try:
-        losses = _train(port)
+        losses = _train(port, proc)
     finally:
         proc.send_signal(signal.SIGTERM)  # torchrun forwards it to every rank
         try:

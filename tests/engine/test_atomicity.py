@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.engine.helpers import make_resource, model_input, random_batch, sample
+from trainer import optim
 from trainer.errors import OperationError
 from trainer.session import EngineOptions
 from trainer.specs import AdamParams, Gradient, LoraConfig, LossConfig, SamplingParams, SessionSpec
@@ -63,7 +64,7 @@ def _state(session) -> dict[str, object]:
     return {
         "weights": copy(session.policy.trainable),
         "grads": copy({n: p.grad for n, p in session.policy.trainable.items()}),
-        "optimizer": copy(session._optimizer_tensors()),
+        "optimizer": copy(optim.state_tensors(session.optimizer, session.policy.trainable)),
         "published": copy(session.policy.published_tensors()),
         "pending": None if pending is None else (copy(pending[0]), pending[1]),
         "step": session.step,

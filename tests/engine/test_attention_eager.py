@@ -51,7 +51,7 @@ def test_packed_logprobs_under_eager_equal_unpacked(tiny_model_dir) -> None:
     got = []
     with torch.no_grad():
         for batch in batches:
-            lp, _ = batch_logprobs(model, batch, torch.device("cpu"), 16, False)
+            lp, _, _ = batch_logprobs(model, batch, torch.device("cpu"), 16, False)
             per_sample = lp.split([int((s.mask_T != 0).sum()) for s in batch.samples])
             got.extend(zip((s.index for s in batch.samples), per_sample, strict=True))
     assert sorted(i for i, _ in got) == list(range(len(prepared)))

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tests.engine.helpers import assert_same, make_resource, random_batch, weights_of
+from trainer import optim
 from trainer.checkpoints import CheckpointCorrupt, CheckpointStore
 from trainer.errors import OperationError
 from trainer.specs import AdamParams, LoraConfig, LossConfig, SessionSpec
@@ -290,3 +293,30 @@ def test_adopts_renamed_but_unlisted_checkpoint(tmp_path) -> None:
     with pytest.raises(CheckpointCorrupt):
         (record.path / "state.json").write_text("{tampered}")
         again.open(record.id)
+
+
+OLD_CHECKPOINTS = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoints_v1"
+
+
+def test_checkpoint_written_before_the_unified_engine_resumes(tiny_qwen_dir, tmp_path) -> None:
+    """A LoRA training checkpoint (format 1) written by the engine as it was before
+    `training_state.py` (commit 2a2a826: rank 2, dropout 0.1, two PPO steps) resumes with its
+    step, weights, both AdamW moments and RNG state exactly as stored, then trains on."""
+    (fixture,) = OLD_CHECKPOINTS.iterdir()
+    storage = tmp_path / "store"
+    (storage / "checkpoints").mkdir(parents=True)
+    shutil.copytree(fixture, storage / "checkpoints" / fixture.name)  # adopted at start-up
+    resource = make_resource(tiny_qwen_dir, storage)
+    session = resource.create_session(
+        "resumed", SessionSpec(resume_from_checkpoint_id=fixture.name)
+    )
+    assert json.loads((fixture / "state.json").read_text())["format"] == 1
+    assert session.step == 2 and session.policy_state()["trainer_step"] == 2
+    assert session.policy.config == LoraConfig(rank=2, alpha=4, dropout=0.1, seed=5)
+    assert_same(weights_of(session), load_file(str(fixture / "weights.safetensors")))
+    optimizer = optim.state_tensors(session.optimizer, session.policy.trainable)
+    assert_same(optimizer, load_file(str(fixture / "optimizer.safetensors")))
+    assert_same(session.rng_tensors(), load_file(str(fixture / "rng.safetensors")))
+    _train(session, range(1))
+    assert session.step == 3
+    resource.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from tests.engine.helpers import (
     sample,
     weights_of,
 )
+from trainer import optim
 from trainer.errors import OperationError
 from trainer.specs import (
     AdamParams,
@@ -257,12 +259,12 @@ def test_failed_optim_step_leaves_no_trace(tiny_qwen_dir, tmp_path) -> None:
     session.forward_backward(CE, random_batch(2, weights="ones"))
     next(iter(session.policy.trainable.values())).grad[0, 0] = float("nan")  # type: ignore[index]
     weights = weights_of(session)
-    state = {k: v.clone() for k, v in session._optimizer_tensors().items()}
+    state = {k: v.clone() for k, v in optim_state(session).items()}
     with pytest.raises(OperationError) as info:
         session.optim_step(AdamParams(learning_rate=1e-2))
     assert info.value.code == "NON_FINITE_LOSS"
     assert_same(weights_of(session), weights)
-    assert_same(session._optimizer_tensors(), state)
+    assert_same(optim_state(session), state)
     assert session.step == 1 and session.policy_state()["trainer_step"] == 1
 
 
@@ -411,3 +413,7 @@ def test_sampling_input_errors(tiny_qwen_dir, tmp_path) -> None:
     trainer_only = no_gen.create_session("t", SessionSpec())
     with pytest.raises(OperationError, match="num_generator_replicas"):
         trainer_only.sample([model_input([3, 4])])
+
+
+def optim_state(session: Any) -> dict[str, torch.Tensor]:
+    return optim.state_tensors(session.optimizer, session.policy.trainable)

@@ -1,18 +1,21 @@
 """FSDP2 sharding of a model (per decoder layer, then a root every compute enters through),
-gathering it back for exports, and the full-weight policy whose published copy is sharded."""
+gathering it back for exports, the full-weight policy whose published copy is sharded, and
+`Sharded`: the placement (`trainer.placement`) that puts all of it together for a resource."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from trainer.distributed.comm import Comm
-from trainer.policy import FullPolicy
+from trainer.model import load_base_model
+from trainer.policy import FullPolicy, Policy
+from trainer.specs import ModelEntry
 
 
 class ShardedRoot(nn.Module):
@@ -84,10 +87,6 @@ class GatheredModel:
         return getattr(self._model, name)
 
 
-def local_part(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 class ShardedFullPolicy(FullPolicy):
     """Full weights, sharded. The published weights are a sharded copy (1/N of the model per
     rank) swapped into the live parameters while sampling, not a second model."""
@@ -129,3 +128,41 @@ class ShardedFullPolicy(FullPolicy):
     def close(self) -> None:
         super().close()
         self._published = None
+
+
+@dataclass
+class Sharded:
+    """The model sharded with FSDP2 over the ranks of `comm` (see `trainer.placement`). Every
+    rank reads the weights on the CPU, in the compute dtype, with the attention of the compute
+    device (flash-attention on CUDA when installed, else the exact packed SDPA), then keeps
+    only its shards on the device."""
+
+    comm: Comm
+    cpu_offload: bool = False
+    root: ShardedRoot | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.comm.device
+
+    def load(self, entry: ModelEntry) -> tuple[Any, Any]:
+        model, tokenizer = load_base_model(entry, self.device, load_on=torch.device("cpu"))
+        self.root = shard_model(model, self.comm, self.cpu_offload)
+        return model, tokenizer
+
+    def _root(self) -> ShardedRoot:
+        if self.root is None:
+            raise RuntimeError("the model is not loaded")
+        return self.root
+
+    def run(self, model: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return self._root()(fn, *args, **kwargs)
+
+    def reshard(self) -> None:
+        reshard(self._root())
+
+    def full_policy(self, model: Any, with_generator: bool) -> Policy:
+        return ShardedFullPolicy(model, self._root(), with_generator=with_generator)
+
+    def full_state(self, model: Any) -> Any:
+        return GatheredModel(model, gather_full_state(model))

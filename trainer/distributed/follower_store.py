@@ -1,0 +1,28 @@
+"""The checkpoint store seen by ranks other than 0."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from trainer.checkpoints import CheckpointRecord
+from trainer.training_state import placeholder_record
+
+
+class FollowerStore:
+    """The catalogue lives on rank 0 only; these ranks write their shards into the directory
+    rank 0 created (the writer receives its path) and resume from checkpoints rank 0 has
+    verified (`known`, filled by each command)."""
+
+    def __init__(self) -> None:
+        self.known: dict[str, CheckpointRecord] = {}
+
+    def open(self, checkpoint_id: str) -> tuple[CheckpointRecord, dict[str, Any]]:
+        if checkpoint_id not in self.known:
+            raise KeyError(checkpoint_id)
+        return self.known[checkpoint_id], {}
+
+    def write(self, *, writer: Callable[[Path], None], **_: Any) -> CheckpointRecord:
+        writer(Path())
+        return placeholder_record()
