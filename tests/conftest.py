@@ -10,7 +10,8 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+
+from trainer.tiny import TinySpec, save_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -18,36 +19,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 VOCAB = 128
 
 
-def build_tiny_model(kind: str, out_dir: Path, seed: int = 0) -> Path:
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
-
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=1,
-        bos_token_id=0,
-        pad_token_id=0,
-    )
-    if kind == "qwen3":
-        config = Qwen3Config(head_dim=16, tie_word_embeddings=True, **common)
-    elif kind == "llama":
-        config = LlamaConfig(tie_word_embeddings=False, **common)
-    else:
+def tiny_spec(kind: str) -> TinySpec:
+    """The two test shapes; weights scaled up 8x so that logprobs are far from uniform."""
+    if kind not in ("qwen3", "llama"):
         raise ValueError(kind)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    # Random init leaves tiny weights; scale up so logprobs are far from uniform.
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.mul_(8.0)
-    model.save_pretrained(out_dir)
-    return out_dir
+    return TinySpec(arch=kind, vocab=VOCAB, tied=kind == "qwen3", scale=8.0)
+
+
+def build_tiny_model(kind: str, out_dir: Path, seed: int = 0) -> Path:
+    return save_model(tiny_spec(kind), out_dir, seed)
 
 
 @pytest.fixture(scope="session")

@@ -25,14 +25,13 @@ import logging
 import math
 import os
 import secrets
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from trainer.rl.config import Recipe, load_recipe
+from trainer.spawn import WorkerProcess, free_port
 
 LINE = "step {step:4d} | reward {r:.3f} ± {rs:.3f} | loss {loss:+.4f} | kl {kl:.4f} | "
 LINE += "grad_norm {gn:.3f} | tok/s {tps:6.0f} | version {v}"
@@ -66,13 +65,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _serve_config(recipe: Recipe, location: str, storage: Path, port: int) -> str:
     m = recipe.model
     lines = [
@@ -93,52 +85,19 @@ def _serve_config(recipe: Recipe, location: str, storage: Path, port: int) -> st
     return "\n".join(lines) + "\n"
 
 
-class WorkerProcess:
-    """`python -m trainer serve --config OUT/serve.toml` on a free port; SIGTERM on exit."""
-
-    def __init__(self, recipe: Recipe, location: str, out: Path) -> None:
-        self.token = secrets.token_urlsafe(24)
-        self.port = _free_port()
-        config = out / "serve.toml"
-        config.write_text(_serve_config(recipe, location, out / "worker", self.port))
-        env = dict(os.environ, TRAINER_API_TOKEN=self.token)
-        if recipe.model.source == "tiny":
-            env.setdefault("OMP_NUM_THREADS", "1")  # a tiny model runs faster on one thread
-        self.log_path = out / "worker.log"
-        self._log = self.log_path.open("w")
-        command = [sys.executable, "-m", "trainer", "serve", "--config", str(config)]
-        command += ["--log-level", "warning"]
-        self.process = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, env=env
-        )
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def wait_ready(self, timeout: float = 180.0) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"the worker exited with code {self.process.returncode}; see {self.log_path}"
-                )
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"the worker did not answer /healthz in {timeout:.0f}s")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
+def start_worker(recipe: Recipe, location: str, out: Path) -> tuple[WorkerProcess, str]:
+    """`python -m trainer serve --config OUT/serve.toml` on a free port, with a random token in
+    TRAINER_API_TOKEN, logging to OUT/worker.log; (the worker, its token)."""
+    token = secrets.token_urlsafe(24)
+    port = free_port()
+    config = out / "serve.toml"
+    config.write_text(_serve_config(recipe, location, out / "worker", port))
+    env = dict(os.environ, TRAINER_API_TOKEN=token)
+    if recipe.model.source == "tiny":
+        env.setdefault("OMP_NUM_THREADS", "1")  # a tiny model runs faster on one thread
+    command = [sys.executable, "-m", "trainer", "serve", "--config", str(config)]
+    command += ["--log-level", "warning"]
+    return WorkerProcess(command, port, out / "worker.log", env), token
 
 
 # --------------------------------------------------------------------------------------------
@@ -212,9 +171,9 @@ def run(args: argparse.Namespace) -> int:
 
     from trainer import tracking
     from trainer.rl.client import HttpClient
-    from trainer.rl.loop import Trainer
-    from trainer.rl.models import build_tiny_model
+    from trainer.rl.loop import RLLoop
     from trainer.rl.tasks import make_task
+    from trainer.tiny import save_model
 
     started = time.perf_counter()
     for name in ("httpx", "together"):  # one line per step, not one per HTTP request
@@ -224,7 +183,11 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(recipe.model_dump_json(indent=2) + "\n")
     if recipe.model.source == "tiny":
-        location = str(build_tiny_model(recipe.model, out / "model").resolve())
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        seed = recipe.model.init_seed
+        location = str(save_model(recipe.model.tiny_spec(), out / "model", seed).resolve())
         tokenizer = None
     else:
         location = recipe.model.location or ""
@@ -232,16 +195,16 @@ def run(args: argparse.Namespace) -> int:
     task = make_task(recipe.task, tokenizer, recipe.sampling.max_tokens)
 
     print(f"starting the worker ({recipe.model.name}) ...", flush=True)
-    worker = WorkerProcess(recipe, location, out)
+    worker, token = start_worker(recipe, location, out)
     client = None
     tracker = None
     metrics_file = (out / "metrics.jsonl").open("w")
     try:
-        worker.wait_ready()
+        worker.wait_ready(timeout=180.0, interval=0.2)
         lora, metadata = _session_settings(recipe)
         client = HttpClient(
             f"{worker.url}/v1",
-            worker.token,
+            token,
             base_model=recipe.model.name,
             lora=recipe.resource.lora,
             lora_config=lora,
@@ -255,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
             f"{recipe.loop.mode}, {recipe.loop.prompts_per_step}x{recipe.loop.group_size}",
             flush=True,
         )
-        trainer = Trainer(client, task, recipe)
+        loop = RLLoop(client, task, recipe)
         bar = tqdm(total=recipe.loop.steps, desc="training", unit="step", dynamic_ncols=True)
 
         def on_step(m: dict[str, Any]) -> None:
@@ -268,9 +231,9 @@ def run(args: argparse.Namespace) -> int:
             bar.set_postfix(reward=f"{m['reward/mean']:.3f}")
             bar.update(1)
 
-        history = trainer.run(on_step)
+        history = loop.run(on_step)
         bar.close()
-        eval_reward = trainer.evaluate(recipe.task.eval_prompts)
+        eval_reward = loop.evaluate(recipe.task.eval_prompts)
         training_id, inference_id = client.checkpoints()
         (out / "checkpoints.json").write_text(
             json.dumps(

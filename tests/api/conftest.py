@@ -8,7 +8,6 @@ engine. Nothing is mocked: requests go over TCP to the real app and the real eng
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -23,15 +22,9 @@ import uvicorn
 from trainer.api.app import create_app
 from trainer.api.config import ServeConfig
 from trainer.api.worker import Worker
+from trainer.spawn import free_port
 
 TOKEN = "test-token-0123456789"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass

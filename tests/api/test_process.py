@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,6 +16,8 @@ import httpx
 from api_helpers import SEQUENCES, ce_sample
 from conftest import TOKEN, LiveServer, free_port, serve_in_thread, wait_status
 from test_http import TERMINAL, run_op
+
+from trainer.spawn import wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,16 +42,10 @@ def worker_process(args: list[str]) -> Iterator[tuple[subprocess.Popen[bytes], h
     port = int(args[args.index("--port") + 1])
     proc = subprocess.Popen(args, env=_env(), cwd=REPO, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{base}/healthz").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
-        assert time.monotonic() < deadline, "worker did not start"
-        time.sleep(0.1)
+    try:
+        wait_healthy(base, proc.poll, timeout=60)
+    except RuntimeError as exc:  # the worker exited: say why
+        raise AssertionError(proc.stderr.read().decode() if proc.stderr else "") from exc
     headers = {"Authorization": f"Bearer {TOKEN}"}
     with httpx.Client(base_url=f"{base}/v1", headers=headers, timeout=60) as client:
         try:

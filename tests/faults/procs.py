@@ -20,20 +20,13 @@ from typing import Any
 
 import httpx
 
+from trainer.spawn import free_port, wait_healthy
+
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "fault-token-5b0d7c1e9a"
 TERMINAL = ("TRAINING_OPERATION_STATUS_COMPLETED", "TRAINING_OPERATION_STATUS_FAILED")
 COMPLETED, FAILED = TERMINAL
 CE = {"type": "LOSS_TYPE_CROSS_ENTROPY"}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def child_env(token: str = TOKEN) -> dict[str, str]:
@@ -102,16 +95,7 @@ def serve_child(
         )
     child = Child(proc, f"http://127.0.0.1:{port}", log_path)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{child.url}/healthz", timeout=5).status_code == 200:
-                    break
-            if proc.poll() is not None:
-                raise RuntimeError(f"the worker exited with {proc.returncode}:\n{child.log()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the worker did not start:\n{child.log()}")
-            time.sleep(0.05)
+        wait_healthy(child.url, proc.poll, interval=0.05, log_path=log_path)
         yield child
     finally:
         if proc.poll() is None:
@@ -306,16 +290,11 @@ def forked_worker(
     process.start()
     worker = Forked(process, f"http://127.0.0.1:{port}", log_path)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{worker.url}/healthz", timeout=5).status_code == 200:
-                    break
-            if not process.is_alive():
-                raise RuntimeError(f"the worker exited with {process.exitcode}:\n{worker.log()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the worker did not start:\n{worker.log()}")
-            time.sleep(0.02)
+
+        def exitcode() -> int | None:
+            return None if process.is_alive() else process.exitcode
+
+        wait_healthy(worker.url, exitcode, interval=0.02, log_path=log_path)
         yield worker
     finally:
         if process.is_alive():

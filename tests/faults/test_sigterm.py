@@ -118,25 +118,19 @@ def test_sigterm_during_checkpoint_writes(
 def model_17m(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 17 M-parameter Qwen3 (vocab 8192, hidden 512, 4 layers): one forward-backward of 8 x
     512 tokens takes many seconds on a CPU core, far past a 1 s grace."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from trainer.tiny import TinySpec, build_model
 
-    config = Qwen3Config(
-        vocab_size=8192,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
+    spec = TinySpec(
+        vocab=8192,
+        hidden=512,
+        intermediate=1536,
+        layers=4,
+        heads=8,
+        kv_heads=4,
         head_dim=64,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        eos_token_id=1,
-        bos_token_id=0,
-        pad_token_id=0,
+        max_positions=1024,
     )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
+    model = build_model(spec)  # 17 M parameters, seed 0
     assert 15e6 < sum(p.numel() for p in model.parameters()) < 25e6
     out = tmp_path_factory.mktemp("qwen3-17m")
     model.save_pretrained(out)

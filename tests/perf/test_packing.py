@@ -6,6 +6,7 @@ import torch
 
 from tests.engine.helpers import random_batch
 from trainer.batch import pack, prepare_samples
+from trainer.bench.arms_engine import padded_layout
 from trainer.logprobs import token_logprobs
 
 
@@ -22,20 +23,8 @@ def test_packed_and_padded_logprobs_are_equal(tiny_model_dir) -> None:
     samples = random_batch(5, n=7, lengths=(2, 30), mask="mask")
     prepared = prepare_samples(samples, vocab_size=128, max_seq_length=64, max_batch_size=16)
     # padded: one sample per row, right-padded, 2D padding mask
-    width = max(s.length for s in prepared)
-    ids = torch.zeros(len(prepared), width, dtype=torch.long)
-    mask = torch.zeros(len(prepared), width, dtype=torch.long)
-    keep, targets = [], []
-    for r, s in enumerate(prepared):
-        ids[r, : s.length] = s.tokens_T
-        mask[r, : s.length] = 1
-        kept = torch.nonzero(s.mask_T != 0).squeeze(-1)
-        keep.append(r * width + kept)
-        targets.append(s.targets_T[kept])
     with torch.no_grad():
-        padded = _logprobs(
-            model, {"input_ids": ids, "attention_mask": mask}, torch.cat(keep), torch.cat(targets)
-        )
+        padded = _logprobs(model, *padded_layout(prepared))
         packed = []
         for micro in pack(prepared, row_tokens=40, token_budget=60):
             inputs = {

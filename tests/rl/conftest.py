@@ -10,7 +10,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from trainer.rl.config import ModelConfig
-from trainer.rl.models import build_tiny_model
+from trainer.tiny import save_model
 
 from .helpers import build_chat_model
 
@@ -18,7 +18,7 @@ from .helpers import build_chat_model
 @pytest.fixture(scope="session")
 def digits_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1)
-    return build_tiny_model(config, tmp_path_factory.mktemp("digits-model"))
+    return save_model(config.tiny_spec(), tmp_path_factory.mktemp("digits-model"), config.init_seed)
 
 
 @pytest.fixture(scope="session")

@@ -39,24 +39,15 @@ def build_chat_tokenizer(out_dir: Path):  # type: ignore[no-untyped-def]
 
 def build_chat_model(out_dir: Path, seed: int = 0) -> Path:
     """A tied Qwen3-shaped model + tokenizer in `out_dir`, loadable like a hub checkpoint."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from trainer.tiny import TinySpec, save_model
 
     tokenizer = build_chat_tokenizer(out_dir)
-    config = Qwen3Config(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
+    spec = TinySpec(
+        hidden=32,
+        intermediate=64,
+        max_positions=256,
+        bos=None,
+        eos=tokenizer.eos_token_id,
+        pad=tokenizer.pad_token_id,
     )
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config).save_pretrained(out_dir)
-    return out_dir
+    return save_model(spec, out_dir, seed)

@@ -15,7 +15,7 @@ import pytest
 
 from trainer.rl.client import HttpClient
 from trainer.rl.config import Recipe
-from trainer.rl.loop import Trainer
+from trainer.rl.loop import RLLoop
 from trainer.rl.tasks import make_task
 
 TOKEN = "rl-test-token-0123456789"
@@ -28,9 +28,9 @@ def server_url(digits_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     from trainer.api.app import create_app
     from trainer.api.config import ServeConfig
     from trainer.api.worker import Worker
-    from trainer.demo import _free_port
+    from trainer.spawn import free_port
 
-    port = _free_port()
+    port = free_port()
     config = ServeConfig.model_validate(
         {
             "port": port,
@@ -62,7 +62,7 @@ def test_off_policy_over_http(server_url: str) -> None:
     )
     client = HttpClient(server_url, TOKEN, base_model="tiny-digits", lora=False)
     try:
-        history = Trainer(client, make_task(recipe.task), recipe).run()
+        history = RLLoop(client, make_task(recipe.task), recipe).run()
         assert [m["weights_version"] for m in history] == [1, 2, 3, 4]
         assert [m["version/sampled_min"] for m in history] == [0, 0, 1, 2]
         assert [m["version/staleness"] for m in history] == [0, 1, 1, 1]
@@ -83,11 +83,11 @@ def test_lora_sft_over_http(server_url: str) -> None:
     lora = {"rank": 4, "alpha": 8, "train_unembed": True, "seed": 0}
     client = HttpClient(server_url, TOKEN, base_model="tiny-digits", lora=True, lora_config=lora)
     try:
-        trainer = Trainer(client, make_task(recipe.task), recipe)
-        history = trainer.run()
+        loop = RLLoop(client, make_task(recipe.task), recipe)
+        history = loop.run()
         assert [m["weights_version"] for m in history] == [1, 2, 3]
         assert all(m["samples"] == 8 and m["loss"] > 0 for m in history)
-        assert 0.0 <= trainer.evaluate(4) <= 1.0
+        assert 0.0 <= loop.evaluate(4) <= 1.0
         training_id, inference_id = client.checkpoints()
         assert training_id and inference_id
     finally:

@@ -12,7 +12,7 @@ import pytest
 
 from trainer.rl.client import Completion, LocalClient, parse_results, token_versions
 from trainer.rl.config import Recipe
-from trainer.rl.loop import Batch, Trainer, grpo_sample, score_batch, sft_sample
+from trainer.rl.loop import Batch, RLLoop, grpo_sample, score_batch, sft_sample
 from trainer.rl.tasks import DigitsTask, Problem, make_task
 
 
@@ -94,7 +94,7 @@ def _client(model_dir: Path, tmp_path: Path, lora: bool = False) -> LocalClient:
 def test_on_policy_versions(digits_model_dir: Path, tmp_path: Path) -> None:
     recipe = _recipe()
     client = _client(digits_model_dir, tmp_path)
-    history = Trainer(client, make_task(recipe.task), recipe).run()
+    history = RLLoop(client, make_task(recipe.task), recipe).run()
     assert [m["step"] for m in history] == [1, 2, 3]
     assert [m["weights_version"] for m in history] == [1, 2, 3]
     assert [m["version/sampled_min"] for m in history] == [0, 1, 2]
@@ -111,7 +111,7 @@ def test_on_policy_versions(digits_model_dir: Path, tmp_path: Path) -> None:
 def test_off_policy_versions(digits_model_dir: Path, tmp_path: Path) -> None:
     recipe = _recipe(mode="off_policy", steps=4)
     client = _client(digits_model_dir, tmp_path)
-    history = Trainer(client, make_task(recipe.task), recipe).run()
+    history = RLLoop(client, make_task(recipe.task), recipe).run()
     assert [m["weights_version"] for m in history] == [1, 2, 3, 4]
     # batch k+1 is queued before batch k trains: one version behind from the second step on
     assert [m["version/sampled_min"] for m in history] == [0, 0, 1, 2]
@@ -126,7 +126,7 @@ def test_off_policy_versions(digits_model_dir: Path, tmp_path: Path) -> None:
 def test_sft_runs_through_the_same_loop(digits_model_dir: Path, tmp_path: Path) -> None:
     recipe = _recipe(objective="sft", steps=12, prompts_per_step=16, learning_rate=1e-2)
     client = _client(digits_model_dir, tmp_path)
-    history = Trainer(client, make_task(recipe.task), recipe).run()
+    history = RLLoop(client, make_task(recipe.task), recipe).run()
     assert all(m["samples"] == 16 for m in history)  # one reference answer per prompt
     first, last = history[0]["loss"], history[-1]["loss"]
     assert first == pytest.approx(16 * 3 * 2.77, rel=0.35)  # sum of -log p, ~ln(16) per token
@@ -151,11 +151,11 @@ def test_arithmetic_lora_recipe_path(chat_model_dir: Path, tmp_path: Path) -> No
     task = make_task(recipe.task, AutoTokenizer.from_pretrained(chat_model_dir), 6)
     client = _client(chat_model_dir, tmp_path, lora=True)
     assert any("lm_head" in name for name in client.session.policy.trainable)
-    trainer = Trainer(client, task, recipe)
-    history = trainer.run()
+    loop = RLLoop(client, task, recipe)
+    history = loop.run()
     assert [m["weights_version"] for m in history] == [1, 2]
     assert all(m["completion/length"] <= 6 for m in history)
-    assert 0.0 <= trainer.evaluate(4) <= 1.0
+    assert 0.0 <= loop.evaluate(4) <= 1.0
     training_id, inference_id = client.checkpoints()
     assert training_id != inference_id
     client.close()

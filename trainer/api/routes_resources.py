@@ -23,7 +23,13 @@ from trainer.api.requests import (
     ExtendExpiryBody,
     StopResourceBody,
 )
-from trainer.api.state import base_url, parse_limit, parse_statuses, verify_signed, worker_of
+from trainer.api.route_helpers import (
+    base_url,
+    parse_limit,
+    parse_statuses,
+    verify_signed,
+    worker_of,
+)
 from trainer.api.store import ResourceRow
 from trainer.api.wire import (
     checkpoint_json,

@@ -18,7 +18,7 @@ from trainer.api.errors import (
     not_found,
 )
 from trainer.api.requests import CreateSessionBody, UpdateSessionBody
-from trainer.api.state import (
+from trainer.api.route_helpers import (
     base_url,
     json_object,
     parse_limit,

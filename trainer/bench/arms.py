@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from trainer.bench import arms_ckpt, arms_engine, arms_head, arms_http, arms_trl
-from trainer.bench.harness import Measurement
+from trainer.bench.harness import Measurement, mark_base
 
 ARMS: dict[str, Callable[[dict[str, Any]], Measurement]] = {
     "head": arms_head.head_arm,
@@ -20,3 +20,8 @@ ARMS: dict[str, Callable[[dict[str, Any]], Measurement]] = {
     "fb_inprocess": arms_engine.inprocess_fb_arm,
     "fb_http": arms_http.http_fb_arm,
 }
+
+
+def run_inprocess(arm: str, params: dict[str, Any]) -> Measurement:
+    mark_base()
+    return ARMS[arm](params)

@@ -31,7 +31,7 @@ from typing import Any
 
 import safetensors.torch
 
-import trainer.session as session_module
+from trainer import optim, training_state
 from trainer.bench.engine_setup import ce_samples, make_resource, make_session
 from trainer.bench.harness import Measurement, measure
 from trainer.bench.shapes import rl_batch, shape_from
@@ -60,9 +60,9 @@ def baseline_save(session: Any) -> None:
     writer did not hand over)."""
     with session._running():
         weights = {n: p.detach().to("cpu").clone() for n, p in session.policy.trainable.items()}
-        optimizer = session._optimizer_tensors()
+        optimizer = optim.state_tensors(session.optimizer, session.policy.trainable)
         rng = {"cpu": session._cpu_rng.clone()}
-        state = session._state_json()
+        state = training_state.state_json(session)
 
     def writer(out: Path) -> None:
         safetensors.torch.save_file(weights, str(out / "weights.safetensors"))
@@ -98,7 +98,7 @@ def _phases(save: Callable[[], None], store: Any, reps: int) -> dict[str, float]
     for _ in range(reps):
         t: dict[str, float] = {}
         with (
-            _timed(session_module, "save_tensors", t, "write files"),
+            _timed(training_state, "save_tensors", t, "write files"),
             _timed(safetensors.torch, "save_file", t, "write files"),
             _timed(Sealer, "finish", t, "wait fsync ∥ sha256"),
             _timed(CheckpointStore, "_insert", t, "SQLite insert"),

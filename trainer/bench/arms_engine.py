@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from trainer.batch import PACKED_SDPA, pack, prepare_samples, use_packed_sdpa
+from trainer.batch import PACKED_SDPA, PreparedSample, pack, prepare_samples, use_packed_sdpa
 from trainer.bench.engine_setup import ce_samples, grpo_samples, make_resource, make_session
 from trainer.bench.harness import Measurement, measure
 from trainer.bench.shapes import old_logprobs, rl_batch, shape_from
@@ -57,6 +57,25 @@ def grpo_ours_arm(params: dict[str, Any]) -> Measurement:
     return result
 
 
+def padded_layout(
+    prepared: list[PreparedSample],
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """The layout packing replaces: one sample per row, right-padded to the longest, with a 2D
+    padding mask; (decoder inputs, kept positions of the flattened `[R*L]` hidden states in
+    sample order, their targets)."""
+    width = max(s.length for s in prepared)
+    ids = torch.zeros(len(prepared), width, dtype=torch.long)
+    mask = torch.zeros(len(prepared), width, dtype=torch.long)
+    keep_P, targets_P = [], []
+    for r, s in enumerate(prepared):
+        ids[r, : s.length] = s.tokens_T
+        mask[r, : s.length] = 1
+        kept = torch.nonzero(s.mask_T != 0).squeeze(-1)
+        keep_P.append(r * width + kept)
+        targets_P.append(s.targets_T[kept])
+    return {"input_ids": ids, "attention_mask": mask}, torch.cat(keep_P), torch.cat(targets_P)
+
+
 def packing_arm(params: dict[str, Any]) -> Measurement:
     """Cross entropy forward-backward on a mixed-length batch, in one of three layouts.
 
@@ -85,18 +104,7 @@ def packing_arm(params: dict[str, Any]) -> Measurement:
         inputs, keep = micro.decoder_inputs(impl)
         targets = micro.targets_P
     else:
-        width = max(s.length for s in prepared)
-        ids = torch.zeros(len(prepared), width, dtype=torch.long)
-        mask = torch.zeros(len(prepared), width, dtype=torch.long)
-        keep_list, target_list = [], []
-        for r, s in enumerate(prepared):
-            ids[r, : s.length] = s.tokens_T
-            mask[r, : s.length] = 1
-            kept = torch.nonzero(s.mask_T != 0).squeeze(-1)
-            keep_list.append(r * width + kept)
-            target_list.append(s.targets_T[kept])
-        inputs = {"input_ids": ids, "attention_mask": mask}
-        keep, targets = torch.cat(keep_list), torch.cat(target_list)
+        inputs, keep, targets = padded_layout(prepared)
 
     def step() -> None:
         hidden = decoder(**inputs, use_cache=False).last_hidden_state

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from trainer import spawn
 from trainer.bench.arms_engine import batch_from
 from trainer.bench.engine_setup import ce_samples
 from trainer.bench.harness import Measurement, measure
@@ -25,50 +23,20 @@ from trainer.bench.harness import Measurement, measure
 POLL_S = 0.02
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @contextlib.contextmanager
 def serve(model_dir: str, timeout: float = 120) -> Iterator[str]:
     """`python -m trainer serve` on a free loopback port; yields the API base URL."""
-    import httpx
-
-    port = _free_port()
-    storage = tempfile.mkdtemp(prefix="bench-serve-")
+    port = spawn.free_port()
+    storage = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [
         sys.executable, "-m", "trainer", "serve", "--host", "127.0.0.1", "--port", str(port),
-        "--storage", storage, "--model", f"bench={model_dir}", "--no-auth", "--device", "cpu",
-        "--log-level", "warning",
+        "--storage", str(storage), "--model", f"bench={model_dir}", "--no-auth", "--device",
+        "cpu", "--log-level", "warning",
     ]  # fmt: skip
-    log = open(Path(storage) / "server.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                log_text = (Path(storage) / "server.log").read_text()
-                raise RuntimeError(f"trainer serve exited: {log_text}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("trainer serve did not become healthy")
-            time.sleep(0.1)
-        yield f"{url}/v1"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+    with spawn.serve(cmd, port, storage / "server.log", env=env, timeout=timeout, grace=30) as w:
+        yield f"{w.url}/v1"
 
 
 def http_fb_arm(params: dict[str, Any]) -> Measurement:

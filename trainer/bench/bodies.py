@@ -29,7 +29,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -40,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from trainer import spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 PPO = {"type": "LOSS_TYPE_PPO"}
@@ -116,7 +117,7 @@ def _legacy_patch() -> None:
 
     from fastapi import Request
 
-    from trainer.api import payloads, routes_ops, state
+    from trainer.api import payloads, route_helpers, routes_ops
     from trainer.api.bodies import too_large
     from trainer.api.errors import bad_request
 
@@ -151,7 +152,7 @@ def _legacy_patch() -> None:
         canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(f"{kind}\n{canonical}".encode()).hexdigest()
 
-    state.json_object = json_object  # type: ignore[assignment]
+    route_helpers.json_object = json_object  # type: ignore[assignment]
     routes_ops.json_object = json_object  # type: ignore[assignment]
     routes_ops.body_hash = body_hash
     payloads.PayloadStore.read_json = read_json  # type: ignore[method-assign]
@@ -181,12 +182,8 @@ def _reset_peak(pid: int) -> None:
         Path(f"/proc/{pid}/clear_refs").write_text("5")
 
 
-def _start(arm: str, root: Path, model: Path, token: str) -> tuple[subprocess.Popen[bytes], str]:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+def _start(arm: str, root: Path, model: Path, token: str) -> spawn.WorkerProcess:
+    port = spawn.free_port()
     config = root / f"{arm}.toml"
     config.write_text(
         f'[[model]]\nname = "bench"\nlocation = "{model}"\nmax_batch_size = 65536\n'
@@ -198,23 +195,7 @@ def _start(arm: str, root: Path, model: Path, token: str) -> tuple[subprocess.Po
     entry = "legacy-serve" if arm == "old" else "serve"
     env = {**os.environ, "TRAINER_API_TOKEN": token, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "trainer.bench.bodies", entry, *args[1:]]
-    with (root / "worker.log").open("wb") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def _wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
-    import httpx
-
-    deadline = time.monotonic() + 300
-    while True:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/healthz", timeout=5).status_code == 200:
-                return
-        if proc.poll() is not None or time.monotonic() > deadline:
-            tail = log.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"the worker did not start (exit {proc.poll()}):\n{tail}")
-        time.sleep(0.2)
+    return spawn.WorkerProcess(cmd, port, root / "worker.log", env, cwd=ROOT)
 
 
 def _op(http: Any, sid: str, content: bytes) -> dict[str, Any]:
@@ -314,19 +295,19 @@ def _cell(
 
     root.mkdir(parents=True)
     token = uuid.uuid4().hex
-    proc, url = _start(arm, root, model, token)
+    worker = _start(arm, root, model, token)
+    url, pid = worker.url, worker.pid
     try:
-        _wait_ready(proc, url, root / "worker.log")
+        worker.wait_ready(timeout=300, interval=0.2)
         headers = {"Authorization": f"Bearer {token}"}
         with httpx.Client(base_url=f"{url}/v1", headers=headers, timeout=900) as http:
             sid = _session(http)
             _op(http, sid, json.dumps(wire_body(40, 500, seed=1, vocab=VOCAB)).encode())
             time.sleep(0.5)
-            base = _status_kib(proc.pid, "VmRSS")
-            return [_run_once(http, proc.pid, url, sid, raw, route, base) for _ in range(repeats)]
+            base = _status_kib(pid, "VmRSS")
+            return [_run_once(http, pid, url, sid, raw, route, base) for _ in range(repeats)]
     finally:
-        proc.kill()
-        proc.wait()
+        worker.stop(grace=None)
         shutil.rmtree(root, ignore_errors=True)
 
 

@@ -11,12 +11,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def main() -> None:
-    from trainer.bench.arms import ARMS
-    from trainer.bench.harness import RESULT_PREFIX, mark_base
+    from trainer.bench.arms import run_inprocess
+    from trainer.bench.harness import RESULT_PREFIX
 
-    arm, params = sys.argv[1], json.loads(sys.argv[2])
-    mark_base()
-    result = ARMS[arm](params)
+    result = run_inprocess(sys.argv[1], json.loads(sys.argv[2]))
     print(RESULT_PREFIX + json.dumps(result.to_json()), flush=True)
 
 

@@ -129,10 +129,3 @@ def run_child(arm: str, params: dict[str, Any], *, timeout: float = 900) -> Meas
             return Measurement.from_json(json.loads(line[len(RESULT_PREFIX) :]))
     tail = (proc.stdout + proc.stderr)[-3000:]
     raise RuntimeError(f"arm {arm} failed (exit {proc.returncode}):\n{tail}")
-
-
-def run_inprocess(arm: str, params: dict[str, Any]) -> Measurement:
-    from trainer.bench.arms import ARMS
-
-    mark_base()
-    return ARMS[arm](params)

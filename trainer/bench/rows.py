@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.bench.harness import Measurement, run_child, run_inprocess
+from trainer.bench.harness import Measurement, run_child
 from trainer.bench.shapes import ModelShape, save_model
 
 
@@ -37,12 +37,18 @@ class Context:
     def run(self, arm: str, params: dict[str, Any]) -> Measurement:
         self.log(f"  {arm} {_brief(params)}")
         if self.inprocess:
+            from trainer.bench.arms import run_inprocess  # every arm's imports: only on demand
+
             return run_inprocess(arm, params)
         return run_child(arm, params)
 
     def model_dir(self, shape: ModelShape) -> str:
         key = "-".join(str(v) for v in shape.to_json().values())
         return str(save_model(shape, self.workdir / f"model-{key}"))
+
+    def model(self, shape: ModelShape) -> dict[str, Any]:
+        """An arm's `shape` and `model_dir` parameters (the model saved once per shape)."""
+        return {"shape": shape.to_json(), "model_dir": self.model_dir(shape)}
 
 
 def _brief(params: dict[str, Any]) -> str:
@@ -144,8 +150,7 @@ def row_grpo(ctx: Context) -> RowResult:
         return RowResult(2, "GRPO forward-backward: ours vs TRL", "trl not installed", "", None)
     shape = _shapes(ctx.quick)["grpo"]
     base = {
-        "shape": shape.to_json(),
-        "model_dir": ctx.model_dir(shape),
+        **ctx.model(shape),
         "batch": _grpo_batch(ctx.quick),
         "reps": 1 if ctx.quick else 3,
     }
@@ -177,8 +182,7 @@ def row_mfu(ctx: Context) -> RowResult:
     for name in ("lm_head", "decoder"):
         shape = shapes[name]
         params = {
-            "shape": shape.to_json(),
-            "model_dir": ctx.model_dir(shape),
+            **ctx.model(shape),
             "samples": samples,
             "length": length,
             "reps": 1 if ctx.quick else 2,
@@ -213,8 +217,7 @@ def row_packing(ctx: Context) -> RowResult:
         else {"seed": 1, "n": 16, "prompt": [1, 1], "completion": [32, 1024]}
     )
     base = {
-        "shape": shape.to_json(),
-        "model_dir": ctx.model_dir(shape),
+        **ctx.model(shape),
         "batch": batch,
         "reps": 1 if ctx.quick else 3,
         "row_tokens": 2048,
@@ -248,8 +251,7 @@ def row_packing(ctx: Context) -> RowResult:
 def row_sync(ctx: Context) -> RowResult:
     shape = _shapes(ctx.quick)["sync"]
     params = {
-        "shape": shape.to_json(),
-        "model_dir": ctx.model_dir(shape),
+        **ctx.model(shape),
         "rank": 8 if ctx.quick else 32,
         "reps": 3 if ctx.quick else 20,
     }
@@ -271,8 +273,7 @@ def row_checkpoint(ctx: Context) -> RowResult:
     shape = _shapes(ctx.quick)["ckpt"]
     storage = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=ctx.workdir))
     params = {
-        "shape": shape.to_json(),
-        "model_dir": ctx.model_dir(shape),
+        **ctx.model(shape),
         "storage": str(storage),
         "reps": 1 if ctx.quick else 9,
     }
@@ -317,8 +318,7 @@ def row_http(ctx: Context) -> RowResult:
         else {"seed": 2, "n": 8, "prompt": [1, 1], "completion": [512, 512]}
     )
     base = {
-        "shape": shape.to_json(),
-        "model_dir": ctx.model_dir(shape),
+        **ctx.model(shape),
         "batch": batch,
         "rank": 16,
         "reps": 1 if ctx.quick else 2,
@@ -345,8 +345,7 @@ def row_memory(ctx: Context) -> RowResult:
         else {"seed": 3, "n": 4, "prompt": [1, 1], "completion": [128, 128]}
     )
     base = {
-        "shape": shape.to_json(),
-        "model_dir": ctx.model_dir(shape),
+        **ctx.model(shape),
         "batch": batch,
         "rank": 32,
         "reps": 1,

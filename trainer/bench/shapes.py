@@ -7,28 +7,43 @@ random (seeded), nothing is downloaded.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from trainer import tiny
+from trainer.tiny import TinySpec
+
 QWEN3_VOCAB = 151_936
 
 
+# What a row's shape is named by (its JSON, its model directory); the rest is fixed.
+SHAPE_FIELDS = (
+    "vocab",
+    "hidden",
+    "intermediate",
+    "layers",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "tied",
+)
+
+
 @dataclass(frozen=True)
-class ModelShape:
+class ModelShape(TinySpec):
+    """A Qwen3-shaped `trainer.tiny` model with the benchmarks' defaults (bos 0, eos 1, pad 0;
+    32,768 positions)."""
+
     vocab: int = QWEN3_VOCAB
-    hidden: int = 64
     intermediate: int = 192
-    layers: int = 2
-    heads: int = 4
-    kv_heads: int = 2
     head_dim: int = 16
-    tied: bool = True
+    max_positions: int = 32768
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {name: getattr(self, name) for name in SHAPE_FIELDS}
 
     def describe(self) -> str:
         tie = "tied" if self.tied else "untied"
@@ -53,44 +68,24 @@ def shape_from(params: dict[str, Any]) -> ModelShape:
 
 
 def qwen3_config(shape: ModelShape, **extra: Any) -> Any:
-    """A transformers `Qwen3Config` of this shape (random weights are built from it)."""
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
-        vocab_size=shape.vocab,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim,
-        tie_word_embeddings=shape.tied,
-        **extra,
-    )
+    """A transformers `Qwen3Config` of this shape, with no special token ids."""
+    return tiny.hf_config(replace(shape, bos=None, eos=None, pad=None), **extra)
 
 
 def build_model(shape: ModelShape, seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    config = qwen3_config(
-        shape, max_position_embeddings=32768, eos_token_id=1, bos_token_id=0, pad_token_id=0
-    )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model
+    return tiny.build_model(shape, seed, dtype)
 
 
 def save_model(shape: ModelShape, out_dir: Path, seed: int = 0) -> Path:
     """A random model saved the way `trainer.model` loads it (safetensors + config)."""
     if (out_dir / "config.json").exists():
         return out_dir
-    build_model(shape, seed).save_pretrained(out_dir)
-    return out_dir
+    return tiny.save_model(shape, out_dir, seed, torch.float32)
 
 
 @dataclass
 class RLBatch:
-    """Prompt + completion samples. `prompt_lengths_B`, `completion_lengths_B` per sample."""
+    """B prompt + completion samples (token ids), and one advantage per sample."""
 
     prompts: list[list[int]]
     completions: list[list[int]]

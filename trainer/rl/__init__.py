@@ -7,5 +7,5 @@ Data path, one file per role:
     loop.py        sample → reward → advantages → forward-backward → optim-step → weights-sync
     client.py      the narrow client the loop drives: the official SDK over HTTP (production)
                    or an in-process session (tuning and unit tests only)
-    models.py      the demo's tiny model, built from a config
+The demo's tiny model is `ModelConfig.tiny_spec()`, built by `trainer.tiny`.
 """

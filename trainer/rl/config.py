@@ -13,6 +13,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from trainer.rl.tasks import BOS, DIGITS_VOCAB, EOS, PAD
+from trainer.tiny import TinySpec
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -52,6 +55,24 @@ class ModelConfig(Section):
                 "model: hidden_size % num_heads and num_heads % num_kv_heads must be 0"
             )
         return self
+
+    def tiny_spec(self) -> TinySpec:
+        """The tiny model of this config (`source = "tiny"`): the digits task's 16-token
+        vocabulary, tied embeddings for Qwen3 and untied for Llama."""
+        return TinySpec(
+            arch=self.arch,
+            vocab=DIGITS_VOCAB,
+            hidden=self.hidden_size,
+            intermediate=self.intermediate_size,
+            layers=self.num_layers,
+            heads=self.num_heads,
+            kv_heads=self.num_kv_heads,
+            tied=self.arch == "qwen3",
+            max_positions=self.max_seq_length,
+            bos=BOS,
+            eos=EOS,
+            pad=PAD,
+        )
 
 
 class ResourceConfig(Section):

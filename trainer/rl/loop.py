@@ -195,7 +195,7 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
 
 
-class Trainer:
+class RLLoop:
     """Drives a `PolicyClient` through `recipe.loop.steps` steps; one metrics dict per step."""
 
     def __init__(self, client: PolicyClient, task: Task, recipe: Recipe) -> None:
