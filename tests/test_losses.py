@@ -80,27 +80,27 @@ def build(
     def cat(key: str) -> torch.Tensor:
         return torch.tensor([x for s in samples for x in s[key]], dtype=dtype)
 
-    lp_N = cat("lp").requires_grad_(True)
-    index_N = torch.tensor([i for i, s in enumerate(samples) for _ in s["lp"]], dtype=torch.int64)
+    lp_P = cat("lp").requires_grad_(True)
+    index_P = torch.tensor([i for i, s in enumerate(samples) for _ in s["lp"]], dtype=torch.int64)
     inputs = LossInputs(
-        logprobs_N=lp_N,
-        sample_index_N=index_N,
+        logprobs_P=lp_P,
+        sample_index_P=index_P,
         num_samples=len(samples),
-        mask_N=cat("m"),
+        mask_P=cat("m"),
         norm=norm,
-        weights_N=cat("w"),
-        sampler_logprobs_N=cat("q"),
-        advantages_N=cat("A"),
-        reference_logprobs_N=cat("ref"),
+        weights_P=cat("w"),
+        sampler_logprobs_P=cat("q"),
+        advantages_P=cat("A"),
+        reference_logprobs_P=cat("ref"),
     )
-    return inputs, lp_N
+    return inputs, lp_P
 
 
 def run(loss_type: str, samples: list[Sample], params: Any, norm: LossNorm | None = None):
-    inputs, lp_N = build(samples, norm or norm_of(samples))
+    inputs, lp_P = build(samples, norm or norm_of(samples))
     out = compute_loss(loss_type, inputs, params)
-    (grad_N,) = torch.autograd.grad(out.loss, lp_N, allow_unused=True)
-    return out, torch.zeros_like(lp_N) if grad_N is None else grad_N
+    (grad_P,) = torch.autograd.grad(out.loss, lp_P, allow_unused=True)
+    return out, torch.zeros_like(lp_P) if grad_P is None else grad_P
 
 
 def reported(metrics: dict[str, tuple[float, float]]) -> dict[str, float]:
@@ -287,11 +287,11 @@ def test_random_data_covers_the_interesting_regions():
 def test_loss_and_grad_match_reference(case):
     loss_type, params = case
     samples = samples_for(loss_type)
-    out, grad_N = run(loss_type, samples, params)
+    out, grad_P = run(loss_type, samples, params)
     ref_loss, ref_grad = ref_loss_and_grad(loss_type, samples, params)
     assert out.loss.dtype == torch.float32 and out.loss.dim() == 0
     close(out.loss, ref_loss)
-    close(grad_N, ref_grad)
+    close(grad_P, ref_grad)
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
@@ -360,7 +360,7 @@ def test_step0_invariants(case):
     for s in samples:
         s["q"] = list(s["lp"])
         s["ref"] = list(s["lp"])
-    out, grad_N = run(loss_type, samples, params)
+    out, grad_P = run(loss_type, samples, params)
     metrics = reported(out.metrics)
     assert metrics["loss/ratio/mean"] == 1.0
     for name in ("loss/clip/low_fraction", "loss/clip/high_fraction", "loss/kl_ref/mean"):
@@ -368,17 +368,17 @@ def test_step0_invariants(case):
     assert metrics.get("loss/dppo/masked_fraction", 0.0) == 0.0
     ref_loss, ref_grad = ref_loss_and_grad(loss_type, samples, params)
     close(out.loss, ref_loss)
-    close(grad_N, ref_grad)
+    close(grad_P, ref_grad)
 
 
 def test_grpo_token_mean_step0_gradient_is_minus_advantage_over_tokens():
     samples = make_samples()
     for s in samples:
         s["q"] = list(s["lp"])
-    _, grad_N = run("LOSS_TYPE_GRPO", samples, GrpoParams())
+    _, grad_P = run("LOSS_TYPE_GRPO", samples, GrpoParams())
     mask = torch.tensor([x for s in samples for x in s["m"]])
     adv = torch.tensor([x for s in samples for x in s["A"]])
-    close(grad_N, -adv * mask / mask.sum())
+    close(grad_P, -adv * mask / mask.sum())
 
 
 def test_dppo_keep_rule_at_boundaries():
@@ -387,33 +387,33 @@ def test_dppo_keep_rule_at_boundaries():
     p = torch.tensor([0.60, 0.61, 0.40, 0.39, 0.05, 0.90, 0.70, 0.05])
     p_old = torch.tensor([0.40, 0.40, 0.60, 0.60, 0.90, 0.05, 0.40, 0.90])
     adv = [1.0, 1.5, -1.0, -0.5, 2.0, -2.0, 0.0, 0.0]
-    lp_N, q_N = p.log(), p_old.log()
-    diff = lp_N.exp() - q_N.exp()  # exactly the fp32 values the loss compares
+    lp_P, q_P = p.log(), p_old.log()
+    diff = lp_P.exp() - q_P.exp()  # exactly the fp32 values the loss compares
     params = DppoParams(delta_high=float(diff[0]), delta_low=float(-diff[2]))
-    sample = {"lp": lp_N.tolist(), "q": q_N.tolist(), "A": adv, "m": [1.0] * 8}
+    sample = {"lp": lp_P.tolist(), "q": q_P.tolist(), "A": adv, "m": [1.0] * 8}
     sample.update(ref=sample["lp"], w=sample["m"])
-    out, grad_N = run("LOSS_TYPE_DPPO", [sample], params)
+    out, grad_P = run("LOSS_TYPE_DPPO", [sample], params)
     keep = [True, False, True, False, True, True, False, True]
     assert reported(out.metrics)["loss/dppo/masked_fraction"] == pytest.approx(3 / 8)
     for i in range(8):  # token by token, so the A = 0 tokens are checked on their own
         alone = {key: [values[i]] for key, values in sample.items()}
         alone_out, _ = run("LOSS_TYPE_DPPO", [alone], params)
         assert alone_out.metrics["loss/dppo/masked_fraction"] == (float(not keep[i]), 1.0), i
-    ratio = (lp_N - q_N).exp()
+    ratio = (lp_P - q_P).exp()
     expected = torch.stack([-ratio[i] * adv[i] for i in range(8) if keep[i]]).sum()
     close(out.loss, expected)
-    assert all(grad_N[i] == 0 for i in range(8) if not keep[i])
-    assert all(grad_N[i] != 0 for i in range(6) if keep[i])
+    assert all(grad_P[i] == 0 for i in range(8) if not keep[i])
+    assert all(grad_P[i] != 0 for i in range(6) if keep[i])
 
 
 def test_dro_formula_and_required_beta():
     sample = {"lp": [-1.0, -2.0], "q": [-1.5, -1.0], "A": [2.0, -1.0], "m": [1.0, 1.0]}
     sample.update(ref=sample["lp"], w=sample["m"])
-    out, grad_N = run("LOSS_TYPE_DRO", [sample], DroParams(beta=0.5))
+    out, grad_P = run("LOSS_TYPE_DRO", [sample], DroParams(beta=0.5))
     # -(2·(-1) - 0.25·0.25) - (-1·(-2) - 0.25·1) = 2.0625 - 1.75
     assert out.loss.item() == pytest.approx(2.0625 - 1.75)
     # dL/dlp = -(A - β·(lp - q)) = [-(2 - 0.25), -(-1 + 0.5)]
-    assert grad_N.tolist() == pytest.approx([-1.75, 0.5])
+    assert grad_P.tolist() == pytest.approx([-1.75, 0.5])
     inputs, _ = build([sample], norm_of([sample]))
     with pytest.raises(ValueError, match="beta"):
         compute_loss("LOSS_TYPE_DRO", inputs, None)
@@ -421,17 +421,17 @@ def test_dro_formula_and_required_beta():
 
 def test_custom_loss_equals_cross_entropy_with_negated_weights():
     samples = make_samples(seed=3)
-    inputs, lp_N = build(samples, norm_of(samples))
-    g_N = torch.randn(lp_N.shape, generator=torch.Generator().manual_seed(1))
-    custom = custom_loss(inputs, g_N)
-    (custom_grad,) = torch.autograd.grad(custom.loss, lp_N)
-    close(custom_grad, g_N * inputs.mask_N)
+    inputs, lp_P = build(samples, norm_of(samples))
+    g_P = torch.randn(lp_P.shape, generator=torch.Generator().manual_seed(1))
+    custom = custom_loss(inputs, g_P)
+    (custom_grad,) = torch.autograd.grad(custom.loss, lp_P)
+    close(custom_grad, g_P * inputs.mask_P)
 
-    weights_N = torch.where(inputs.mask_N != 0, -g_N, 0.0)
-    ce_inputs, ce_lp_N = build(samples, norm_of(samples))
-    ce_inputs = LossInputs(**{**ce_inputs.__dict__, "weights_N": weights_N})
+    weights_P = torch.where(inputs.mask_P != 0, -g_P, 0.0)
+    ce_inputs, ce_lp_P = build(samples, norm_of(samples))
+    ce_inputs = LossInputs(**{**ce_inputs.__dict__, "weights_P": weights_P})
     ce = compute_loss("LOSS_TYPE_CROSS_ENTROPY", ce_inputs, CrossEntropyParams())
-    (ce_grad,) = torch.autograd.grad(ce.loss, ce_lp_N)
+    (ce_grad,) = torch.autograd.grad(ce.loss, ce_lp_P)
     close(custom.loss, ce.loss)
     close(custom_grad, ce_grad)
 
@@ -464,16 +464,16 @@ def test_masked_overflow_never_reaches_loss_or_grad(case):
 
 def test_custom_loss_ignores_masked_overflow():
     samples = make_samples()
-    inputs, lp_N = build(poison(samples), norm_of(samples))
-    g_N = torch.where(inputs.mask_N != 0, 1.0, 1e38)
-    out = custom_loss(inputs, g_N)
-    (grad_N,) = torch.autograd.grad(out.loss, lp_N)
-    assert torch.isfinite(out.loss) and torch.isfinite(grad_N).all()
-    close(grad_N, inputs.mask_N)
+    inputs, lp_P = build(poison(samples), norm_of(samples))
+    g_P = torch.where(inputs.mask_P != 0, 1.0, 1e38)
+    out = custom_loss(inputs, g_P)
+    (grad_P,) = torch.autograd.grad(out.loss, lp_P)
+    assert torch.isfinite(out.loss) and torch.isfinite(grad_P).all()
+    close(grad_P, inputs.mask_P)
 
 
 MISSING = [
-    ("LOSS_TYPE_CROSS_ENTROPY", CrossEntropyParams(), "weights_N", "loss_fn_inputs.weights"),
+    ("LOSS_TYPE_CROSS_ENTROPY", CrossEntropyParams(), "weights_P", "loss_fn_inputs.weights"),
     *[
         (loss_type, LOSS_SPECS[loss_type].params_cls(**extra), field, f"loss_fn_inputs.{name}")
         for loss_type, extra in [
@@ -484,12 +484,12 @@ MISSING = [
             ("LOSS_TYPE_DPPO", {}),
             ("LOSS_TYPE_GRPO", {}),
         ]
-        for field, name in [("sampler_logprobs_N", "logprobs"), ("advantages_N", "advantages")]
+        for field, name in [("sampler_logprobs_P", "logprobs"), ("advantages_P", "advantages")]
     ],
     (
         "LOSS_TYPE_GRPO",
         GrpoParams(beta=0.1),
-        "reference_logprobs_N",
+        "reference_logprobs_P",
         "loss_fn_inputs.reference_logprobs is required when grpo_params.beta > 0",
     ),
 ]
@@ -507,7 +507,7 @@ def test_missing_input_names_the_field(loss_type, params, field, message):
 def test_grpo_without_reference_and_beta_zero_reports_no_kl():
     samples = make_samples()
     inputs, _ = build(samples, norm_of(samples))
-    inputs = LossInputs(**{**inputs.__dict__, "reference_logprobs_N": None})
+    inputs = LossInputs(**{**inputs.__dict__, "reference_logprobs_P": None})
     out = compute_loss("LOSS_TYPE_GRPO", inputs, GrpoParams())
     assert isinstance(out, LossOutputs) and "loss/kl_ref/mean" not in out.metrics
 
@@ -524,9 +524,9 @@ def test_registry_defaults_and_unknown_type():
 
 def test_math_is_fp32_whatever_the_input_dtype():
     samples = make_samples()
-    inputs, lp_N = build(samples, norm_of(samples), dtype=F64)
+    inputs, lp_P = build(samples, norm_of(samples), dtype=F64)
     out = compute_loss("LOSS_TYPE_GRPO", inputs, GrpoParams(beta=0.1))
     assert out.loss.dtype == torch.float32
-    (grad_N,) = torch.autograd.grad(out.loss, lp_N)
+    (grad_P,) = torch.autograd.grad(out.loss, lp_P)
     _, ref_grad = ref_loss_and_grad("LOSS_TYPE_GRPO", samples, GrpoParams(beta=0.1))
-    close(grad_N, ref_grad)
+    close(grad_P, ref_grad)

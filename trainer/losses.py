@@ -1,9 +1,9 @@
 """Built-in RL losses (contract Part B): one pure function per loss, picked from `LOSSES`.
 
-Shape letters: N = tokens of one (micro-)batch, flattened over its samples; B = samples in that
-batch. Per token t: lp_t = current logprob, q_t = sampler logprob (`loss_fn_inputs.logprobs`),
-A_t = advantage, ref_t = reference logprob, m_t = mask in {0, 1}, w_t = weight (cross entropy),
-r_t = exp(lp_t - q_t), sg = stop-gradient.
+Shape letters (as in `trainer/batch.py`): P = the kept (predicted) positions of one micro-batch,
+flattened over its samples; B = samples in that batch. Per token t: lp_t = current logprob,
+q_t = sampler logprob (`loss_fn_inputs.logprobs`), A_t = advantage, ref_t = reference logprob,
+m_t = mask in {0, 1}, w_t = weight (cross entropy), r_t = exp(lp_t - q_t), sg = stop-gradient.
 
 Reduction, the load-bearing knob, stated here once and in every docstring:
 - Every loss except GRPO is a plain SUM over the masked tokens of the batch (no mean).
@@ -59,23 +59,23 @@ Metrics = dict[str, tuple[float, float]]
 
 @dataclass(frozen=True)
 class LossInputs:
-    logprobs_N: torch.Tensor  # lp_t, current policy (requires grad in training)
-    sample_index_N: torch.Tensor  # int64 in [0, B): which sample of this batch each token is in
+    logprobs_P: torch.Tensor  # lp_t, current policy (requires grad in training)
+    sample_index_P: torch.Tensor  # int64 in [0, B): which sample of this batch each token is in
     num_samples: int  # B
-    mask_N: torch.Tensor  # m_t in {0, 1}
+    mask_P: torch.Tensor  # m_t in {0, 1}
     norm: LossNorm
-    weights_N: torch.Tensor | None = None  # w_t (cross entropy only)
-    sampler_logprobs_N: torch.Tensor | None = None  # q_t
-    advantages_N: torch.Tensor | None = None  # A_t
-    reference_logprobs_N: torch.Tensor | None = None  # ref_t
+    weights_P: torch.Tensor | None = None  # w_t (cross entropy only)
+    sampler_logprobs_P: torch.Tensor | None = None  # q_t
+    advantages_P: torch.Tensor | None = None  # A_t
+    reference_logprobs_P: torch.Tensor | None = None  # ref_t
 
 
 # `loss_fn_inputs` key -> the `LossInputs` field that carries it
 INPUT_FIELDS = {
-    "weights": "weights_N",
-    "logprobs": "sampler_logprobs_N",
-    "advantages": "advantages_N",
-    "reference_logprobs": "reference_logprobs_N",
+    "weights": "weights_P",
+    "logprobs": "sampler_logprobs_P",
+    "advantages": "advantages_P",
+    "reference_logprobs": "reference_logprobs_P",
 }
 
 
@@ -93,9 +93,9 @@ LossFn = Callable[[LossInputs, Any], LossOutputs]
 # --------------------------------------------------------------------------------------------
 
 
-def _masked(x_N: torch.Tensor, keep_N: torch.Tensor) -> torch.Tensor:
+def _masked(x_P: torch.Tensor, keep_P: torch.Tensor) -> torch.Tensor:
     """x where keep, else exactly 0 (and a zero gradient into x there)."""
-    return torch.where(keep_N, x_N, 0.0)
+    return torch.where(keep_P, x_P, 0.0)
 
 
 def _given(tensor: torch.Tensor | None, name: str) -> torch.Tensor:
@@ -106,49 +106,49 @@ def _given(tensor: torch.Tensor | None, name: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _token_mean(x_N: torch.Tensor, keep_N: torch.Tensor) -> tuple[float, float]:
-    return float(_masked(x_N.float(), keep_N).sum()), float(keep_N.sum())
+def _token_mean(x_P: torch.Tensor, keep_P: torch.Tensor) -> tuple[float, float]:
+    return float(_masked(x_P.float(), keep_P).sum()), float(keep_P.sum())
 
 
-def _per_sample(x_N: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
-    """Σ over each sample's tokens: [N] -> [B] (differentiable)."""
-    return x_N.new_zeros(inputs.num_samples).index_add(0, inputs.sample_index_N, x_N)
+def _per_sample(x_P: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
+    """Σ over each sample's tokens: [P] -> [B] (differentiable)."""
+    return x_P.new_zeros(inputs.num_samples).index_add(0, inputs.sample_index_P, x_P)
 
 
 class _RatioTerms(NamedTuple):
     """The per-token terms of the ratio r_t = exp(lp_t - q_t) every policy loss builds on."""
 
-    lp_N: torch.Tensor
-    q_N: torch.Tensor
-    adv_N: torch.Tensor
-    keep_N: torch.Tensor
-    log_ratio_N: torch.Tensor  # lp - q at kept tokens, 0 at masked ones (safe to exp)
-    ratio_N: torch.Tensor  # r_t; exactly 1 at masked tokens
+    lp_P: torch.Tensor
+    q_P: torch.Tensor
+    adv_P: torch.Tensor
+    keep_P: torch.Tensor
+    log_ratio_P: torch.Tensor  # lp - q at kept tokens, 0 at masked ones (safe to exp)
+    ratio_P: torch.Tensor  # r_t; exactly 1 at masked tokens
 
 
 def _ratio_terms(inputs: LossInputs) -> _RatioTerms:
-    lp_N = inputs.logprobs_N.float()
-    q_N = _given(inputs.sampler_logprobs_N, "logprobs")
-    adv_N = _given(inputs.advantages_N, "advantages")
-    keep_N = inputs.mask_N != 0
-    log_ratio_N = _masked(lp_N - q_N, keep_N)
-    return _RatioTerms(lp_N, q_N, adv_N, keep_N, log_ratio_N, log_ratio_N.exp())
+    lp_P = inputs.logprobs_P.float()
+    q_P = _given(inputs.sampler_logprobs_P, "logprobs")
+    adv_P = _given(inputs.advantages_P, "advantages")
+    keep_P = inputs.mask_P != 0
+    log_ratio_P = _masked(lp_P - q_P, keep_P)
+    return _RatioTerms(lp_P, q_P, adv_P, keep_P, log_ratio_P, log_ratio_P.exp())
 
 
-def _ratio_metrics(lp_N: torch.Tensor, ratio_N: torch.Tensor, keep_N: torch.Tensor) -> Metrics:
+def _ratio_metrics(lp_P: torch.Tensor, ratio_P: torch.Tensor, keep_P: torch.Tensor) -> Metrics:
     return {
-        "loss/ratio/mean": _token_mean(ratio_N, keep_N),
-        "loss/logprob/mean": _token_mean(lp_N, keep_N),
+        "loss/ratio/mean": _token_mean(ratio_P, keep_P),
+        "loss/logprob/mean": _token_mean(lp_P, keep_P),
     }
 
 
-def _clip_metrics(ratio_N: torch.Tensor, keep_N: torch.Tensor, lo: float, hi: float) -> Metrics:
+def _clip_metrics(ratio_P: torch.Tensor, keep_P: torch.Tensor, lo: float, hi: float) -> Metrics:
     with torch.no_grad():
-        low_N = (ratio_N < lo).float()
-        high_N = (ratio_N > hi).float()
+        low_P = (ratio_P < lo).float()
+        high_P = (ratio_P > hi).float()
     return {
-        "loss/clip/low_fraction": _token_mean(low_N, keep_N),
-        "loss/clip/high_fraction": _token_mean(high_N, keep_N),
+        "loss/clip/low_fraction": _token_mean(low_P, keep_P),
+        "loss/clip/high_fraction": _token_mean(high_P, keep_P),
     }
 
 
@@ -159,29 +159,29 @@ def _clip_metrics(ratio_N: torch.Tensor, keep_N: torch.Tensor, lo: float, hi: fl
 
 def cross_entropy_loss(inputs: LossInputs, params: CrossEntropyParams) -> LossOutputs:
     """L = Σ_t -w_t · lp_t. Reduction: sum over the batch's tokens with m_t = 1 (m = w≠0)."""
-    w_N = _given(inputs.weights_N, "weights")
-    lp_N = inputs.logprobs_N.float()
-    keep_N = inputs.mask_N != 0
-    loss = _masked(-w_N * lp_N, keep_N).sum()
-    return LossOutputs(loss, {"loss/logprob/mean": _token_mean(lp_N, keep_N)})
+    w_P = _given(inputs.weights_P, "weights")
+    lp_P = inputs.logprobs_P.float()
+    keep_P = inputs.mask_P != 0
+    loss = _masked(-w_P * lp_P, keep_P).sum()
+    return LossOutputs(loss, {"loss/logprob/mean": _token_mean(lp_P, keep_P)})
 
 
 def importance_sampling_loss(inputs: LossInputs, params: ImportanceSamplingParams) -> LossOutputs:
     """L = Σ_t -m_t · r_t · A_t. Reduction: sum over masked tokens."""
     p = _ratio_terms(inputs)
-    loss = _masked(-p.ratio_N * p.adv_N, p.keep_N).sum()
-    return LossOutputs(loss, _ratio_metrics(p.lp_N, p.ratio_N, p.keep_N))
+    loss = _masked(-p.ratio_P * p.adv_P, p.keep_P).sum()
+    return LossOutputs(loss, _ratio_metrics(p.lp_P, p.ratio_P, p.keep_P))
 
 
 def ppo_loss(inputs: LossInputs, params: PpoParams) -> LossOutputs:
     """L = Σ_t -m_t · min(r_t·A_t, clip(r_t, lo, hi)·A_t). Reduction: sum over masked tokens."""
     lo, hi = params.clip_low_threshold, params.clip_high_threshold
     p = _ratio_terms(inputs)
-    clipped_N = p.ratio_N.clamp(lo, hi)
-    objective_N = torch.minimum(p.ratio_N * p.adv_N, clipped_N * p.adv_N)
-    loss = _masked(-objective_N, p.keep_N).sum()
-    metrics = _ratio_metrics(p.lp_N, p.ratio_N, p.keep_N)
-    metrics.update(_clip_metrics(p.ratio_N, p.keep_N, lo, hi))
+    clipped_P = p.ratio_P.clamp(lo, hi)
+    objective_P = torch.minimum(p.ratio_P * p.adv_P, clipped_P * p.adv_P)
+    loss = _masked(-objective_P, p.keep_P).sum()
+    metrics = _ratio_metrics(p.lp_P, p.ratio_P, p.keep_P)
+    metrics.update(_clip_metrics(p.ratio_P, p.keep_P, lo, hi))
     return LossOutputs(loss, metrics)
 
 
@@ -189,19 +189,19 @@ def cispo_loss(inputs: LossInputs, params: CispoParams) -> LossOutputs:
     """L = Σ_t -m_t · sg(clip(r_t, lo, hi)) · A_t · lp_t. Reduction: sum over masked tokens."""
     lo, hi = params.clip_low_threshold, params.clip_high_threshold
     p = _ratio_terms(inputs)
-    weight_N = p.ratio_N.clamp(lo, hi).detach()
-    loss = _masked(-weight_N * p.adv_N * p.lp_N, p.keep_N).sum()
-    metrics = _ratio_metrics(p.lp_N, p.ratio_N, p.keep_N)
-    metrics.update(_clip_metrics(p.ratio_N, p.keep_N, lo, hi))
+    weight_P = p.ratio_P.clamp(lo, hi).detach()
+    loss = _masked(-weight_P * p.adv_P * p.lp_P, p.keep_P).sum()
+    metrics = _ratio_metrics(p.lp_P, p.ratio_P, p.keep_P)
+    metrics.update(_clip_metrics(p.ratio_P, p.keep_P, lo, hi))
     return LossOutputs(loss, metrics)
 
 
 def dro_loss(inputs: LossInputs, params: DroParams) -> LossOutputs:
     """L = Σ_t -m_t · (A_t · lp_t - (β/2)·(lp_t - q_t)²). Reduction: sum over masked tokens."""
     p = _ratio_terms(inputs)
-    objective_N = p.adv_N * p.lp_N - 0.5 * params.beta * p.log_ratio_N.square()
-    loss = _masked(-objective_N, p.keep_N).sum()
-    return LossOutputs(loss, _ratio_metrics(p.lp_N, p.ratio_N, p.keep_N))
+    objective_P = p.adv_P * p.lp_P - 0.5 * params.beta * p.log_ratio_P.square()
+    loss = _masked(-objective_P, p.keep_P).sum()
+    return LossOutputs(loss, _ratio_metrics(p.lp_P, p.ratio_P, p.keep_P))
 
 
 def dppo_loss(inputs: LossInputs, params: DppoParams) -> LossOutputs:
@@ -212,46 +212,46 @@ def dppo_loss(inputs: LossInputs, params: DppoParams) -> LossOutputs:
     """
     p = _ratio_terms(inputs)
     with torch.no_grad():
-        prob_N, old_prob_N = p.lp_N.exp(), p.q_N.exp()
-        in_region_N = torch.where(
-            p.adv_N >= 0,
-            prob_N - old_prob_N <= params.delta_high,
-            old_prob_N - prob_N <= params.delta_low,
+        prob_P, old_prob_P = p.lp_P.exp(), p.q_P.exp()
+        in_region_P = torch.where(
+            p.adv_P >= 0,
+            prob_P - old_prob_P <= params.delta_high,
+            old_prob_P - prob_P <= params.delta_low,
         )
-    loss = _masked(-p.ratio_N * p.adv_N, p.keep_N & in_region_N).sum()
-    metrics = _ratio_metrics(p.lp_N, p.ratio_N, p.keep_N)
-    metrics["loss/dppo/masked_fraction"] = _token_mean((~in_region_N).float(), p.keep_N)
+    loss = _masked(-p.ratio_P * p.adv_P, p.keep_P & in_region_P).sum()
+    metrics = _ratio_metrics(p.lp_P, p.ratio_P, p.keep_P)
+    metrics["loss/dppo/masked_fraction"] = _token_mean((~in_region_P).float(), p.keep_P)
     return LossOutputs(loss, metrics)
 
 
 def _sequence_ratio(p: _RatioTerms, inputs: LossInputs) -> torch.Tensor:
     """GSPO: ρ_t = exp(mean_{t∈m}(sg(lp) - q)) · exp(lp_t - sg(lp_t)); 1 in an all-masked sample."""
-    count_B = _per_sample(p.keep_N.float(), inputs)
-    mean_B = _per_sample(p.log_ratio_N.detach(), inputs) / count_B.clamp(min=1.0)
-    return mean_B[inputs.sample_index_N].exp() * _masked(p.lp_N - p.lp_N.detach(), p.keep_N).exp()
+    count_B = _per_sample(p.keep_P.float(), inputs)
+    mean_B = _per_sample(p.log_ratio_P.detach(), inputs) / count_B.clamp(min=1.0)
+    return mean_B[inputs.sample_index_P].exp() * _masked(p.lp_P - p.lp_P.detach(), p.keep_P).exp()
 
 
 _GRPO_RATIOS: dict[str, Callable[[_RatioTerms, LossInputs], torch.Tensor]] = {
-    "GRPO_LOSS_RATIO_TYPE_TOKEN": lambda p, inputs: p.ratio_N,
+    "GRPO_LOSS_RATIO_TYPE_TOKEN": lambda p, inputs: p.ratio_P,
     "GRPO_LOSS_RATIO_TYPE_SEQUENCE": _sequence_ratio,
 }
 
 
-def _token_mean_agg(loss_N: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
+def _token_mean_agg(loss_P: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
     """Σ m·ℓ / max(1, Σ_call m)."""
-    return loss_N.sum() / max(1.0, float(inputs.norm.total_mask))
+    return loss_P.sum() / max(1.0, float(inputs.norm.total_mask))
 
 
-def _sequence_mean_agg(loss_N: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
+def _sequence_mean_agg(loss_P: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
     """Σ_samples [Σ_t m·ℓ / max(1, Σ_t m)] / max(1, samples in the call)."""
-    count_B = _per_sample((inputs.mask_N != 0).float(), inputs)
-    per_sample_B = _per_sample(loss_N, inputs) / count_B.clamp(min=1.0)
+    count_B = _per_sample((inputs.mask_P != 0).float(), inputs)
+    per_sample_B = _per_sample(loss_P, inputs) / count_B.clamp(min=1.0)
     return per_sample_B.sum() / max(1, inputs.norm.total_samples)
 
 
-def _fixed_horizon_agg(loss_N: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
+def _fixed_horizon_agg(loss_P: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
     """Σ m·ℓ / max(1, samples in the call · H)."""
-    return loss_N.sum() / max(1, inputs.norm.total_samples * inputs.norm.horizon)
+    return loss_P.sum() / max(1, inputs.norm.total_samples * inputs.norm.horizon)
 
 
 _GRPO_AGGREGATIONS: dict[str, Callable[[torch.Tensor, LossInputs], torch.Tensor]] = {
@@ -273,28 +273,28 @@ def grpo_loss(inputs: LossInputs, params: GrpoParams) -> LossOutputs:
     """
     lo, hi = params.clip_low_threshold, params.clip_high_threshold
     p = _ratio_terms(inputs)
-    ratio_N = _GRPO_RATIOS[params.ratio_type](p, inputs)
-    loss_N = -torch.minimum(ratio_N * p.adv_N, ratio_N.clamp(lo, hi) * p.adv_N)
-    metrics = _ratio_metrics(p.lp_N, ratio_N, p.keep_N)
-    metrics.update(_clip_metrics(ratio_N, p.keep_N, lo, hi))
-    if inputs.reference_logprobs_N is not None or params.beta > 0:
-        ref_diff_N = _masked(
-            _given(inputs.reference_logprobs_N, "reference_logprobs") - p.lp_N, p.keep_N
+    ratio_P = _GRPO_RATIOS[params.ratio_type](p, inputs)
+    loss_P = -torch.minimum(ratio_P * p.adv_P, ratio_P.clamp(lo, hi) * p.adv_P)
+    metrics = _ratio_metrics(p.lp_P, ratio_P, p.keep_P)
+    metrics.update(_clip_metrics(ratio_P, p.keep_P, lo, hi))
+    if inputs.reference_logprobs_P is not None or params.beta > 0:
+        ref_diff_P = _masked(
+            _given(inputs.reference_logprobs_P, "reference_logprobs") - p.lp_P, p.keep_P
         )
-        k3_N = ref_diff_N.exp() - ref_diff_N - 1.0
-        metrics["loss/kl_ref/mean"] = _token_mean(k3_N, p.keep_N)
+        k3_P = ref_diff_P.exp() - ref_diff_P - 1.0
+        metrics["loss/kl_ref/mean"] = _token_mean(k3_P, p.keep_P)
         if params.beta > 0:
-            loss_N = loss_N + params.beta * k3_N
-    loss = _GRPO_AGGREGATIONS[params.agg_type](_masked(loss_N, p.keep_N), inputs)
+            loss_P = loss_P + params.beta * k3_P
+    loss = _GRPO_AGGREGATIONS[params.agg_type](_masked(loss_P, p.keep_P), inputs)
     return LossOutputs(loss, metrics)
 
 
-def custom_loss(inputs: LossInputs, gradients_N: torch.Tensor) -> LossOutputs:
+def custom_loss(inputs: LossInputs, gradients_P: torch.Tensor) -> LossOutputs:
     """L = Σ_t m_t · g_t · lp_t, so dL/dlp_t = m_t·g_t (custom forward-backward). Sum, no mean."""
-    lp_N = inputs.logprobs_N.float()
-    keep_N = inputs.mask_N != 0
-    loss = _masked(gradients_N.float() * lp_N, keep_N).sum()
-    return LossOutputs(loss, {"loss/logprob/mean": _token_mean(lp_N, keep_N)})
+    lp_P = inputs.logprobs_P.float()
+    keep_P = inputs.mask_P != 0
+    loss = _masked(gradients_P.float() * lp_P, keep_P).sum()
+    return LossOutputs(loss, {"loss/logprob/mean": _token_mean(lp_P, keep_P)})
 
 
 # --------------------------------------------------------------------------------------------

@@ -187,7 +187,7 @@ class TrainingSession(GeneratorOps):
         def fn(inputs: LossInputs, batch: MicroBatch) -> LossOutputs:
             grads = batch.gather("gradients")
             assert grads is not None
-            return custom_loss(inputs, grads.to(inputs.logprobs_N.device))
+            return custom_loss(inputs, grads.to(inputs.logprobs_P.device))
 
         self._run(prepared, fn, forward_only=False, return_outputs=False)
         return {}
@@ -321,15 +321,15 @@ class TrainingSession(GeneratorOps):
             return None if value is None else value.to(device)
 
         return LossInputs(
-            logprobs_N=logprobs_P,
-            sample_index_N=batch.sample_index_P.to(device),
+            logprobs_P=logprobs_P,
+            sample_index_P=batch.sample_index_P.to(device),
             num_samples=len(batch.samples),
-            mask_N=batch.mask_P().to(device),
+            mask_P=batch.mask_P().to(device),
             norm=norm,
-            weights_N=get("weights"),
-            sampler_logprobs_N=get("logprobs"),
-            advantages_N=get("advantages"),
-            reference_logprobs_N=get("reference_logprobs"),
+            weights_P=get("weights"),
+            sampler_logprobs_P=get("logprobs"),
+            advantages_P=get("advantages"),
+            reference_logprobs_P=get("reference_logprobs"),
         )
 
     # -- gradients, kept apart until they are known to be finite ---------------------------

@@ -36,14 +36,14 @@ ENTRY = ModelEntry(name="tiny", location="unused", max_seq_length=256, max_batch
 def _inputs(n: int = 6, **missing: None) -> LossInputs:
     gen = torch.Generator().manual_seed(0)
     fields = {
-        "logprobs_N": -torch.rand(n, generator=gen) - 0.1,
-        "sample_index_N": torch.zeros(n, dtype=torch.int64),
+        "logprobs_P": -torch.rand(n, generator=gen) - 0.1,
+        "sample_index_P": torch.zeros(n, dtype=torch.int64),
         "num_samples": 1,
-        "mask_N": torch.ones(n),
+        "mask_P": torch.ones(n),
         "norm": LossNorm(float(n), 1, n),
-        "sampler_logprobs_N": -torch.rand(n, generator=gen) - 0.1,
-        "advantages_N": torch.randn(n, generator=gen),
-        "reference_logprobs_N": -torch.rand(n, generator=gen) - 0.1,
+        "sampler_logprobs_P": -torch.rand(n, generator=gen) - 0.1,
+        "advantages_P": torch.randn(n, generator=gen),
+        "reference_logprobs_P": -torch.rand(n, generator=gen) - 0.1,
     }
     return LossInputs(**{**fields, **missing})  # type: ignore[arg-type]
 
@@ -109,8 +109,8 @@ def test_a_rule_declared_once_is_enforced_by_the_api_and_compute_loss(monkeypatc
     assert "required by loss LOSS_TYPE_DRO" in str(info.value)
 
     with pytest.raises(ValueError, match=r"reference_logprobs is required when dro_params\.beta"):
-        compute_loss("LOSS_TYPE_DRO", _inputs(reference_logprobs_N=None), strict.params())
-    out = compute_loss("LOSS_TYPE_DRO", _inputs(reference_logprobs_N=None), lenient.params())
+        compute_loss("LOSS_TYPE_DRO", _inputs(reference_logprobs_P=None), strict.params())
+    out = compute_loss("LOSS_TYPE_DRO", _inputs(reference_logprobs_P=None), lenient.params())
     assert math.isfinite(float(out.loss))
 
 

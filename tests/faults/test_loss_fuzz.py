@@ -45,14 +45,14 @@ def _inputs(batch, lp_override=None) -> tuple[LossInputs, torch.Tensor]:
     norm = LossNorm(float(mask.sum()), len(batch), max(len(s) for s in batch))
     return (
         LossInputs(
-            logprobs_N=lp,
-            sample_index_N=index,
+            logprobs_P=lp,
+            sample_index_P=index,
             num_samples=len(batch),
-            mask_N=mask,
+            mask_P=mask,
             norm=norm,
-            sampler_logprobs_N=torch.tensor([r[1] for r in rows]),
-            reference_logprobs_N=torch.tensor([r[2] for r in rows]),
-            advantages_N=torch.tensor([r[3] for r in rows]),
+            sampler_logprobs_P=torch.tensor([r[1] for r in rows]),
+            reference_logprobs_P=torch.tensor([r[2] for r in rows]),
+            advantages_P=torch.tensor([r[3] for r in rows]),
         ),
         lp,
     )
@@ -88,7 +88,7 @@ def test_masked_positions_never_leak(batch, which) -> None:
         float(out.loss), float(out2.loss), rel_tol=1e-6, abs_tol=1e-6
     )
     assert lp2.grad is not None and torch.isfinite(lp2.grad).all()
-    keep = inputs.mask_N != 0
+    keep = inputs.mask_P != 0
     torch.testing.assert_close(lp.grad[keep], lp2.grad[keep], rtol=1e-5, atol=1e-6)
     assert (lp2.grad[~keep] == 0).all()
 

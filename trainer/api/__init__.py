@@ -7,8 +7,8 @@ Modules, from the edge inward:
   ids, error bodies, request validation and limits, response shapes;
 - `openapi`: the raw-JSON request bodies described in the served schema;
 - `checkpoint_errors`: storage failures of checkpoint writes as operation errors;
-- `worker`, `resources`, `ops`, `payloads`, `store`: lifecycles, per-session FIFO queues,
-  large-payload files and the SQLite catalogue;
+- `worker`, `lifecycle`, `ops`, `payloads`, `store`: the worker, resource lifecycles,
+  per-session FIFO queues, large-payload files and the SQLite catalogue;
 - `bodies`: request bodies read off the event loop, large ones parsed in a child process;
 - `operations`: the operation table, from which `routes_ops` and the SPMD proxy are derived;
 - `engine`: the protocols the engine (`trainer.resource` / `trainer.session`) satisfies;

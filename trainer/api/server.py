@@ -29,8 +29,8 @@ from pydantic import ValidationError
 from trainer.api.app import create_app
 from trainer.api.config import ServeConfig, is_loopback
 from trainer.api.errors import ApiError
+from trainer.api.lifecycle import Loader
 from trainer.api.requests import CreateResourceBody, CreateSessionBody
-from trainer.api.resources import Loader
 from trainer.api.signing import RedactSignatures
 from trainer.api.worker import Worker
 

@@ -23,10 +23,10 @@ from trainer.api.config import ServeConfig
 from trainer.api.engine import EngineResource, EngineSession, load_resource
 from trainer.api.errors import bad_request, failed_precondition, not_found
 from trainer.api.ids import SAFE_ID, check_resume_location, is_safe_id
+from trainer.api.lifecycle import Loader, ResourceManager, at_capacity, error_body
 from trainer.api.ops import Job, OperationLog, SessionQueue, op_error
 from trainer.api.payloads import PayloadStore, offload_result
 from trainer.api.requests import CreateSessionBody, check_lora, merge_metadata
-from trainer.api.resources import Loader, ResourceManager, at_capacity, error_body
 from trainer.api.store import (
     OP_FAILED,
     RES_ERROR,
