@@ -68,7 +68,8 @@ log = logging.getLogger(__name__)
 
 TRAINING = "CHECKPOINT_TYPE_TRAINING"
 INFERENCE = "CHECKPOINT_TYPE_INFERENCE"
-VARIANT_DIRS = {"MERGED": "merged", "ADAPTER": "adapter"}
+MERGED_DIR, ADAPTER_DIR = "merged", "adapter"  # an inference checkpoint's two variants
+VARIANT_DIRS = {"MERGED": MERGED_DIR, "ADAPTER": ADAPTER_DIR}
 _ID = re.compile(r"^ckpt-[0-9a-f]{32}$")
 
 

@@ -18,7 +18,6 @@ import contextlib
 import copy
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -29,7 +28,6 @@ from trainer.model import (
     is_tied,
     peft_lora_config,
     quiet_peft_warnings,
-    save_merged,
 )
 from trainer.specs import LoraConfig
 
@@ -85,9 +83,12 @@ class Policy(abc.ABC):
                 snapshot[name].copy_(held)
 
     @abc.abstractmethod
-    def export_inference(self, out_dir: Path, tokenizer: Any, source: Any = None) -> None:
-        """Write the servable weights: `merged/`, and `adapter/` for LoRA. `source` stands in
-        for the model when its `state_dict()` must come from elsewhere (gathered shards)."""
+    @abc.abstractmethod
+    def export_parts(self) -> tuple[Any, dict[str, torch.Tensor], Any]:
+        """What an inference export needs: the model whose weights are merged, the LoRA deltas
+        to merge into them (none for full weights), and the PEFT adapter as
+        `(tensors, adapter_config)` for LoRA, else None. `training_state.write_inference`
+        lays them out."""
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         return {name: p.detach().clone() for name, p in self.trainable.items()}
@@ -219,19 +220,9 @@ class LoraPolicy(Policy):
                 deltas[path] = module.get_delta_weight(self.name).detach()
         return deltas
 
-    def export_inference(self, out_dir: Path, tokenizer: Any, source: Any = None) -> None:
-        from safetensors.torch import save_file
-
-        adapter = out_dir / "adapter"
-        adapter.mkdir(parents=True)
-        save_file(
-            self.adapter_state(),
-            str(adapter / "adapter_model.safetensors"),
-            metadata={"format": "pt"},
-        )
-        (adapter / "adapter_config.json").write_text(json.dumps(self.peft_config_dict(), indent=2))
-        model = self.model if source is None else source
-        save_merged(model, out_dir / "merged", self.lora_deltas(), tokenizer)
+    def export_parts(self) -> tuple[Any, dict[str, torch.Tensor], Any]:
+        adapter = (self.adapter_state(), self.peft_config_dict())
+        return self.model, self.lora_deltas(), adapter
 
     def close(self) -> None:
         with quiet_peft_warnings():
@@ -280,8 +271,8 @@ class FullPolicy(Policy):
     def published_tensors(self) -> dict[str, torch.Tensor]:
         return {} if self.generator is None else dict(self.generator.named_parameters())
 
-    def export_inference(self, out_dir: Path, tokenizer: Any, source: Any = None) -> None:
-        save_merged(self._model if source is None else source, out_dir / "merged", {}, tokenizer)
+    def export_parts(self) -> tuple[Any, dict[str, torch.Tensor], Any]:
+        return self._model, {}, None
 
     def close(self) -> None:
         self._model.requires_grad_(False)

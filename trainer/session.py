@@ -46,6 +46,8 @@ from trainer.distributed.comm import fault_point
 from trainer.errors import OperationError
 from trainer.logprobs import batch_logprobs
 from trainer.losses import LossInputs, LossOutputs, custom_loss, pick_loss
+from trainer.muon import MuonWithAdamW, muon_step, new_muon
+from trainer.optim_specs import MuonParams, optimizer_kind
 from trainer.options import EngineOptions
 from trainer.policy import Policy, cuda_devices
 from trainer.rounds import (
@@ -87,8 +89,11 @@ class TrainingSession(GeneratorOps):
     active: bool = True
 
     def __post_init__(self) -> None:
-        self.optimizer: torch.optim.Optimizer = optim.new_adamw(
-            list(self.policy.trainable.values())
+        config = self.resource.spec.optimizer_config
+        self.optimizer: torch.optim.Optimizer = (
+            new_muon(self.policy.trainable, config["muon"]["scaling_strategy"])
+            if optimizer_kind(config) == "muon"
+            else optim.new_adamw(list(self.policy.trainable.values()))
         )
         gen = torch.Generator().manual_seed(self.rng_seed)
         self._cpu_rng = gen.get_state()
@@ -357,11 +362,21 @@ class TrainingSession(GeneratorOps):
 
     # -- optimizer -------------------------------------------------------------------------
 
-    def optim_step(self, adam: AdamParams) -> dict[str, Any]:
-        """AdamW (decoupled decay) with per-call knobs, global-norm clipping, then zero grads."""
+    def optim_step(
+        self, adam: AdamParams | None = None, muon: MuonParams | None = None
+    ) -> dict[str, Any]:
+        """The resource's optimizer with per-call knobs (omitted: defaults): global-norm
+        clipping, then AdamW (decoupled decay) or Muon + AdamW (`muon.py`), then zero grads."""
+        is_muon = isinstance(self.optimizer, MuonWithAdamW)
+        if (adam if is_muon else muon) is not None:  # the route refuses it first, as a 400
+            field = "adam_params" if is_muon else "muon_params"
+            raise OperationError("INVALID_INPUT", f"{field}: not the resource's optimizer", field)
         with self._running():
             params = list(self.policy.trainable.values())
-            metrics = optim.adamw_step(self.optimizer, params, adam, self.comm)
+            if isinstance(self.optimizer, MuonWithAdamW):
+                metrics = muon_step(self.optimizer, params, muon or MuonParams(), self.comm)
+            else:
+                metrics = optim.adamw_step(self.optimizer, params, adam or AdamParams(), self.comm)
             self.step += 1
             self.versions.trainer_step += 1
         if self.tracker is not None:
@@ -392,7 +407,7 @@ class TrainingSession(GeneratorOps):
         state = training_state.state_json(self)
 
         def writer(out: Path) -> None:
-            self.policy.export_inference(out, self.resource.tokenizer, source)
+            training_state.write_inference(self.policy, out, self.resource.tokenizer, source)
             write_json(out / "state.json", state)
 
         with self._running():

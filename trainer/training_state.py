@@ -8,7 +8,7 @@ one rank or many.
     sharded/              the same keys as DCP shards, one safetensors file per rank
                           (`HuggingFaceStorageWriter(save_distributed=True)`): FSDP2 weights
 
-Inference checkpoints hold `adapter/` (PEFT, LoRA) and `merged/` (`Policy.export_inference`).
+Inference checkpoints hold `adapter/` (PEFT, LoRA) and `merged/` (`write_inference`).
 Every resume reads through here: a training checkpoint (`read_training`), an inference
 checkpoint (`inference_weights`, then `read_directory`) or a Hugging Face directory
 (`read_directory`, `load_directory_weights`).
@@ -29,12 +29,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
 from trainer import optim
-from trainer.checkpoints import TRAINING, CheckpointRecord, save_tensors, write_json
-from trainer.model import read_model_weights
+from trainer.checkpoints import (
+    ADAPTER_DIR,
+    MERGED_DIR,
+    TRAINING,
+    CheckpointRecord,
+    save_tensors,
+    write_json,
+)
+from trainer.model import read_model_weights, save_merged
 from trainer.session_generator import Versions
 from trainer.specs import LoraConfig
 
@@ -111,9 +118,24 @@ def lora_config_of(state: dict[str, Any]) -> LoraConfig:
     return LoraConfig(**state["lora_config"]) if state["lora_config"] else LoraConfig()
 
 
+def write_inference(policy: Policy, out: Path, tokenizer: Any, source: Any = None) -> None:
+    """An inference checkpoint's servable weights: `adapter/` (PEFT files, LoRA only) and
+    `merged/` (a model plain `transformers` loads, tied heads untied, the base never merged
+    in place). `source` stands in for the model when its `state_dict()` comes from elsewhere
+    (shards gathered to rank 0)."""
+    model, deltas, adapter = policy.export_parts()
+    if adapter is not None:
+        tensors, config = adapter
+        directory = out / ADAPTER_DIR
+        directory.mkdir(parents=True)
+        save_file(tensors, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (directory / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    save_merged(model if source is None else source, out / MERGED_DIR, deltas, tokenizer)
+
+
 def inference_weights(path: Path, lora: bool) -> Path:
     """The directory an inference checkpoint resumes from: its PEFT adapter, or merged model."""
-    return path / ("adapter" if lora else "merged")
+    return path / (ADAPTER_DIR if lora else MERGED_DIR)
 
 
 def read_training(
