@@ -210,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
             lora_config=lora,
             metadata=metadata,
             display_name=f"demo-{task.name}",
+            optimizer_config=recipe.resource.optimizer_config(),
         )
         tracker = tracking.open_run(metadata, recipe.model_dump(), directory=str(out))
         print(

@@ -81,6 +81,28 @@ def sum_replicated_grads(params: list[nn.Parameter], comm: Communicator) -> None
         offset += n
 
 
+def clip_global(params: list[nn.Parameter], max_norm: float, comm: Communicator) -> float:
+    """The global norm over every tensor's gradient, then the clip to `max_norm` (0: none).
+    NON_FINITE_LOSS, before any weight moves, when the norm is not finite. Collective."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = grad_norm(grads, comm)
+    if not torch.isfinite(torch.tensor(norm)):
+        raise OperationError("NON_FINITE_LOSS", f"the gradient norm is {norm}")
+    if max_norm > 0 and grads:
+        clip_grads_(params, max_norm, norm)
+    return norm
+
+
+def set_adam_knobs(optimizer: torch.optim.Optimizer, adam: AdamParams) -> None:
+    for group in optimizer.param_groups:
+        group.update(
+            lr=adam.learning_rate,
+            betas=(adam.beta1, adam.beta2),
+            eps=adam.eps,
+            weight_decay=adam.weight_decay,
+        )
+
+
 def adamw_step(
     optimizer: torch.optim.Optimizer,
     params: list[nn.Parameter],
@@ -89,20 +111,9 @@ def adamw_step(
 ) -> dict[str, float]:
     """Global-norm clipping, then AdamW (decoupled decay) with this call's knobs, then zero
     gradients. NON_FINITE_LOSS, before any weight moves, when the norm is not finite."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = grad_norm(grads, comm)
-    if not torch.isfinite(torch.tensor(norm)):
-        raise OperationError("NON_FINITE_LOSS", f"the gradient norm is {norm}")
-    if adam.grad_clip_norm > 0 and grads:
-        clip_grads_(params, adam.grad_clip_norm, norm)
+    norm = clip_global(params, adam.grad_clip_norm, comm)
     clipped = min(norm, adam.grad_clip_norm) if adam.grad_clip_norm > 0 else norm
-    for group in optimizer.param_groups:
-        group.update(
-            lr=adam.learning_rate,
-            betas=(adam.beta1, adam.beta2),
-            eps=adam.eps,
-            weight_decay=adam.weight_decay,
-        )
+    set_adam_knobs(optimizer, adam)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return {"grad_norm": norm, "grad_norm_clipped": clipped, "learning_rate": adam.learning_rate}

@@ -27,6 +27,7 @@ from trainer.model import (
     read_model_weights,
     with_context_limit,
 )
+from trainer.optimizer_config import optimizer_kind
 from trainer.placement import Placement, Plain
 from trainer.policy import LoraPolicy, Policy, layout_like
 from trainer.session import EngineOptions, TrainingSession
@@ -198,6 +199,16 @@ class ModelResource:
         lora_config = training_state.lora_config_of(state)
         self._check_rank(lora_config, field, f"checkpoint {checkpoint_id}: its ")
         load_optimizer = spec.load_optimizer is not False
+        saved, ours = (
+            optimizer_kind(config.get("optimizer_config"))
+            for config in (state.get("resource_spec") or {}, self.spec.model_dump())
+        )
+        if load_optimizer and saved != ours:
+            raise invalid(
+                "load_optimizer",
+                f"checkpoint {checkpoint_id} holds {saved} optimizer state and this resource "
+                f"uses {ours}: resume with load_optimizer false",
+            )
         session = self._new_session(
             session_id, spec, lora_config, seed=state["rng_seed"] if load_optimizer else None
         )

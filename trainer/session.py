@@ -47,7 +47,8 @@ from trainer.errors import OperationError
 from trainer.logprobs import batch_logprobs
 from trainer.losses import LossInputs, LossOutputs, custom_loss, pick_loss
 from trainer.muon import MuonWithAdamW, muon_step, new_muon
-from trainer.optim_specs import MuonParams, optimizer_kind
+from trainer.optim_specs import MuonParams
+from trainer.optimizer_config import optimizer_kind
 from trainer.options import EngineOptions
 from trainer.policy import Policy, cuda_devices
 from trainer.rounds import (

@@ -34,6 +34,7 @@ from trainer.arrays import (
     check_finite,
     tensor_values,
 )
+from trainer.optimizer_config import check_optimizer_config
 from trainer.values import (
     MAX_LORA_ALPHA,
     MIN_TEMPERATURE,
@@ -420,14 +421,10 @@ class ResourceSpec(Spec):
     compute_config: ComputeConfig = Field(default_factory=ComputeConfig)
     inactive_timeout: int = Field(default=3600, ge=300, le=86400)
 
-    @field_validator("optimizer_config")
+    @field_validator("optimizer_config", mode="before")
     @classmethod
-    def _adam_only(cls, value: dict[str, Any]) -> dict[str, Any]:
-        if not value:
-            return {"adam": {}}
-        if set(value) != {"adam"}:
-            raise ValueError("only the adam optimizer is supported: use {'adam': {}}")
-        return value
+    def _one_optimizer(cls, value: Any) -> dict[str, Any]:
+        return check_optimizer_config(value)
 
 
 _NAME = Field(default=None, max_length=256)

@@ -311,7 +311,7 @@ def test_bad_resource_and_session_requests(http: httpx.Client, session: tuple[st
         ),
         (
             "/rl/model-resources",
-            {"base_model": "tiny-qwen", "optimizer_config": {"muon": {}}},
+            {"base_model": "tiny-qwen", "optimizer_config": {"muon": {"scaling_strategy": "X"}}},
             400,
             "optimizer_config",
         ),

@@ -97,7 +97,25 @@ def case_attention(spmd: Spmd, store: CheckpointStore, args: argparse.Namespace)
     return result
 
 
-CASES = {"train": case_train, "fault": case_fault, "attention": case_attention}
+def case_muon(spmd: Spmd, store: CheckpointStore, args: argparse.Namespace) -> dict[str, Any]:
+    """Muon sessions, both kinds (`muon_scenario`), against `test_muon_sharded`'s reference."""
+    from tests.distributed.muon_scenario import drive_muon, muon_resource_spec
+
+    result = {}
+    for kind in ("full", "lora"):
+        spec = muon_resource_spec(kind, "MUON_SCALING_STRATEGY_ORIGINAL")
+        resource = DistributedResource(spmd, entry(args.model_dir), spec, store)
+        result[kind] = drive_muon(resource, kind)
+        resource.close()
+    return result
+
+
+CASES = {
+    "train": case_train,
+    "fault": case_fault,
+    "attention": case_attention,
+    "muon": case_muon,
+}
 
 
 def main() -> int:

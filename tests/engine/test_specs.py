@@ -77,7 +77,14 @@ def test_protobuf_strings_are_accepted() -> None:
             "load_optimizer",
         ),
         (lambda: ResourceSpec(base_model="m", inactive_timeout=10), "inactive_timeout"),
-        (lambda: ResourceSpec(base_model="m", optimizer_config={"muon": {}}), "adam"),
+        (
+            lambda: ResourceSpec(base_model="m", optimizer_config={"muon": {"scaling": 1}}),
+            "optimizer_config.muon.scaling",
+        ),
+        (
+            lambda: ResourceSpec(base_model="m", optimizer_config={"muon": {}, "adam": {}}),
+            "not both",
+        ),
         (lambda: ModelEntry(name="m", location="x", typo=1), "typo"),
     ],
 )

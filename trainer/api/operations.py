@@ -29,9 +29,10 @@ from trainer.api.requests import (
     WeightsSyncBody,
     check_custom,
     check_forward_backward,
+    check_optimizer_params,
     check_sample,
 )
-from trainer.specs import AdamParams, ModelEntry
+from trainer.specs import ModelEntry
 
 
 def _as_is(call: Callable[[], Any]) -> dict[str, Any]:
@@ -55,6 +56,8 @@ class Operation:
     args: Callable[[Any], dict[str, Any]] = _no_args  # validated body -> keyword arguments
     wire: Callable[[Callable[[], Any]], dict[str, Any]] = _as_is  # runs the call, shapes it
     check: Callable[[Any, ModelEntry], None] | None = None  # limits of the model, as a 400
+    # the resource's optimizer_config, as a 400 (params of the other optimizer)
+    check_optimizer: Callable[[Any, dict[str, Any]], None] | None = None
 
     def call(self, body: BaseModel) -> Callable[[Any], dict[str, Any]]:
         """What the worker queues: the engine session in, the operation's wire JSON out."""
@@ -89,7 +92,8 @@ OPERATIONS: dict[str, Operation] = {
             "optim-step",
             OptimStepBody,
             "optim_step",
-            lambda b: {"adam": b.adam_params or AdamParams()},
+            lambda b: {"adam": b.adam_params, "muon": b.muon_params},
+            check_optimizer=check_optimizer_params,
         ),
         Operation(
             "weights-sync",

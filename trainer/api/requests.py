@@ -11,9 +11,11 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from trainer.api.errors import ApiError, bad_request
+from trainer.optim_specs import MuonParams
+from trainer.optimizer_config import optimizer_kind
 from trainer.specs import (
     AdamParams,
     Gradient,
@@ -47,25 +49,8 @@ _INPUT_DTYPES: dict[str, tuple[str, ...]] = {
 
 
 class CreateResourceBody(ResourceSpec):
-    """POST /rl/model-resources (and estimate-cost)."""
-
-    @field_validator("optimizer_config")
-    @classmethod
-    def _adam_has_no_fields(cls, value: dict[str, Any]) -> dict[str, Any]:
-        """AdamConfig has no fields: a setting in it would be stored and silently ignored."""
-        adam = value.get("adam")
-        if adam is None:
-            return {**value, "adam": {}}
-        if not isinstance(adam, dict):
-            raise ValueError("optimizer_config.adam must be an object ({})")
-        if adam:
-            names = ", ".join(f"optimizer_config.adam.{k}" for k in sorted(adam))
-            raise ValueError(
-                f"unknown field(s) {names}: the resource's AdamConfig has no fields; per-step "
-                "AdamW settings (learning_rate, beta1, beta2, eps, weight_decay, grad_clip_norm) "
-                "go in each optim-step's adam_params"
-            )
-        return value
+    """POST /rl/model-resources (and estimate-cost); `optimizer_config` is checked by
+    `trainer.optim_specs.check_optimizer_config`."""
 
 
 class ExtendExpiryBody(Spec):
@@ -115,14 +100,44 @@ class CustomForwardBackwardBody(Spec):
 
 
 class OptimStepBody(Spec):
+    """The params of the resource's optimizer (`check_optimizer_params`); none: defaults."""
+
     adam_params: AdamParams | None = None
-    muon_params: dict[str, Any] | None = None
+    muon_params: MuonParams | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_clip(cls, data: Any) -> Any:
+        """A Muon step clips every tensor together (`muon_params.grad_clip_norm`)."""
+        muon = data.get("muon_params") if isinstance(data, dict) else None
+        adam = muon.get("adam") if isinstance(muon, dict) else None
+        if isinstance(adam, dict) and "grad_clip_norm" in adam:
+            raise ValueError(
+                "muon_params.adam.grad_clip_norm: a Muon step clips all tensors together; set "
+                "muon_params.grad_clip_norm"
+            )
+        return data
 
     @model_validator(mode="after")
-    def _adam_only(self) -> OptimStepBody:
-        if self.muon_params is not None:
-            raise ValueError("muon_params: this worker's resources use Adam; send adam_params")
+    def _one_optimizer(self) -> OptimStepBody:
+        if self.muon_params is not None and self.adam_params is not None:
+            raise ValueError("muon_params: send adam_params or muon_params, not both")
         return self
+
+
+def check_optimizer_params(body: OptimStepBody, optimizer_config: dict[str, Any]) -> None:
+    """A 400 naming the field when the params are not those of the resource's optimizer."""
+    kind = optimizer_kind(optimizer_config)
+    if kind == "adam" and body.muon_params is not None:
+        raise bad_request(
+            "muon_params: this session's resource uses Adam; send adam_params", "muon_params"
+        )
+    if kind == "muon" and body.adam_params is not None:
+        raise bad_request(
+            "adam_params: this session's resource uses Muon; send muon_params (its adam field "
+            "sets the AdamW tensors)",
+            "adam_params",
+        )
 
 
 class WeightsSyncBody(Spec):

@@ -58,6 +58,10 @@ def _prepare(worker: Worker, session_id: str, spec: Operation, body: dict[str, A
         raise from_pydantic(exc) from None
     if spec.check is not None:
         spec.check(parsed, _entry(worker, session_id))
+    if spec.check_optimizer is not None:
+        resource = worker.store.get(ResourceRow, worker.session(session_id).resource_id)
+        config = resource.spec.get("optimizer_config") if resource is not None else None
+        spec.check_optimizer(parsed, config or {"adam": {}})
     return spec.call(parsed)
 
 

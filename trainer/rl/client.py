@@ -88,7 +88,9 @@ class PolicyClient(Protocol):
         self, samples: list[dict[str, Any]], loss: dict[str, Any], with_logprobs: bool
     ) -> dict[str, Any]: ...
 
-    def optim_step(self, adam: dict[str, Any]) -> dict[str, Any]: ...
+    def optim_step(self, params: dict[str, Any]) -> dict[str, Any]:
+        """`params`: the optim-step body, `{"adam_params": ...}` or `{"muon_params": ...}`."""
+        ...
 
     def weights_sync(self, sync_type: str) -> int: ...
 
@@ -138,6 +140,7 @@ class HttpClient:
         metadata: dict[str, Any] | None = None,
         display_name: str | None = None,
         interval: float = 0.02,
+        optimizer_config: dict[str, Any] | None = None,
     ) -> None:
         from together import Together
         from together.post_training import ModelResourcesClient
@@ -149,6 +152,7 @@ class HttpClient:
                 base_url=base_url,
                 base_model=base_model,
                 lora_enabled=lora,
+                optimizer_config=optimizer_config,  # type: ignore[arg-type]
                 inactive_timeout=3600,
                 interval=0.1,
             )
@@ -234,11 +238,8 @@ class HttpClient:
         )
         return _as_dict(result)
 
-    def optim_step(self, adam: dict[str, Any]) -> dict[str, Any]:
-        result = self.session.trainer.optim_step(
-            adam_params=adam,  # type: ignore[arg-type]
-            interval=self.interval,
-        )
+    def optim_step(self, params: dict[str, Any]) -> dict[str, Any]:
+        result = self.session.trainer.optim_step(**params, interval=self.interval)
         return _as_dict(result)
 
     def weights_sync(self, sync_type: str) -> int:
@@ -280,6 +281,7 @@ class LocalClient:
         max_seq_length: int = 256,
         max_batch_size: int = 1024,
         seed: int = 0,
+        optimizer_config: dict[str, Any] | None = None,
     ) -> None:
         from trainer.checkpoints import CheckpointStore
         from trainer.resource import ModelResource
@@ -291,7 +293,9 @@ class LocalClient:
             max_seq_length=max_seq_length,
             max_batch_size=max_batch_size,
         )
-        spec = ResourceSpec(base_model=name, lora_enabled=lora)
+        spec = ResourceSpec(
+            base_model=name, lora_enabled=lora, optimizer_config=optimizer_config or {"adam": {}}
+        )
         self.resource = ModelResource(entry, spec, CheckpointStore(storage), device=device)
         session_spec = SessionSpec(lora_config=LoraConfig(**(lora_config or {})) if lora else None)
         self.session = self.resource.create_session(f"local-{seed}", session_spec)
@@ -327,10 +331,15 @@ class LocalClient:
             return_loss_fn_outputs=with_logprobs,
         )
 
-    def optim_step(self, adam: dict[str, Any]) -> dict[str, Any]:
+    def optim_step(self, params: dict[str, Any]) -> dict[str, Any]:
+        from trainer.optim_specs import MuonParams
         from trainer.specs import AdamParams
 
-        return self.session.optim_step(AdamParams.model_validate(adam))
+        adam, muon = params.get("adam_params"), params.get("muon_params")
+        return self.session.optim_step(
+            adam=None if adam is None else AdamParams.model_validate(adam),
+            muon=None if muon is None else MuonParams.model_validate(muon),
+        )
 
     def weights_sync(self, sync_type: str) -> int:
         return int(self.session.weights_sync(sync_type)["weights_version"])

@@ -83,6 +83,18 @@ class ResourceConfig(Section):
     lora_alpha: int = Field(default=64, ge=1, description="LoRA alpha")
     train_unembed: bool = Field(default=True, description="also a LoRA on the output head")
     lora_seed: int | None = Field(default=None, description="LoRA init seed (default: run seed)")
+    optimizer: Literal["adam", "muon"] = Field(
+        default="adam", description="the resource's optimizer (Muon: Part B rule 10)"
+    )
+    muon_scaling_strategy: Literal[
+        "MUON_SCALING_STRATEGY_MATCH_ADAM", "MUON_SCALING_STRATEGY_ORIGINAL"
+    ] = Field(default="MUON_SCALING_STRATEGY_MATCH_ADAM", description="Muon's update scale")
+
+    def optimizer_config(self) -> dict[str, Any]:
+        """The resource's `optimizer_config`."""
+        if self.optimizer == "muon":
+            return {"muon": {"scaling_strategy": self.muon_scaling_strategy}}
+        return {"adam": {}}
 
 
 class TaskConfig(Section):
@@ -121,6 +133,7 @@ class LoopConfig(Section):
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW decoupled weight decay")
     beta2: float = Field(default=0.95, ge=0, lt=1, description="AdamW beta2")
     grad_clip_norm: float = Field(default=1.0, ge=0, description="global-norm clip (0: off)")
+    muon_momentum: float = Field(default=0.95, ge=0, lt=1, description="Muon momentum")
     scale_by_std: bool = Field(default=True, description="divide advantages by the group's std")
     per_token_advantages: bool = Field(
         default=True,

@@ -155,6 +155,18 @@ def loss_config(recipe: Recipe) -> dict[str, Any]:
     }
 
 
+def optim_params(recipe: Recipe, lr: float) -> dict[str, Any]:
+    """The optim-step body for the resource's optimizer: `adam_params`, or `muon_params` with
+    the same learning rate on both sides (MATCH_ADAM carries Adam's rates over)."""
+    loop = recipe.loop
+    adam = {"learning_rate": lr, "beta1": 0.9, "beta2": loop.beta2}
+    adam["weight_decay"] = loop.weight_decay
+    if recipe.resource.optimizer == "adam":
+        return {"adam_params": {**adam, "grad_clip_norm": loop.grad_clip_norm}}
+    muon = {"learning_rate": lr, "momentum": loop.muon_momentum, "weight_decay": loop.weight_decay}
+    return {"muon_params": {**muon, "grad_clip_norm": loop.grad_clip_norm, "adam": adam}}
+
+
 def learning_rate(recipe: Recipe, step: int) -> float:
     loop = recipe.loop
     if loop.lr_warmup_steps and step < loop.lr_warmup_steps:
@@ -260,15 +272,7 @@ class RLLoop:
         sampled_version = min(c.version for group in batch.groups for c in group)
         staleness = self.trainer_version - sampled_version  # versions between sampler/trainer
         lr = learning_rate(recipe, step)
-        opt = self.client.optim_step(
-            {
-                "learning_rate": lr,
-                "beta1": 0.9,
-                "beta2": recipe.loop.beta2,
-                "weight_decay": recipe.loop.weight_decay,
-                "grad_clip_norm": recipe.loop.grad_clip_norm,
-            }
-        )
+        opt = self.client.optim_step(optim_params(recipe, lr))
         self.trainer_version += 1
         version = self.client.weights_sync(sync)
         rewards = [r for group in scored.rewards_P_G for r in group]
