@@ -10,6 +10,7 @@ leaves the generator, `applied_weights_version` and `pending_publish` as they we
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -53,15 +54,16 @@ class Versions:
         }
 
 
-class GeneratorOps:
+class GeneratorOps(abc.ABC):
     """Weights-sync and sample, for `TrainingSession`."""
 
     resource: ResourceHandle
     policy: Policy
     versions: Versions
 
+    @abc.abstractmethod
     def _running(self) -> contextlib.AbstractContextManager[Undo]:
-        raise NotImplementedError
+        """The session's operation context (lock, RNG, undo on failure)."""
 
     def weights_sync(self, sync_type: str) -> dict[str, Any]:
         """SYNCHRONOUS: live on return. BACKGROUND_PUBLISH and PIPELINE: a snapshot is queued
