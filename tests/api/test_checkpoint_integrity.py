@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import threading
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -20,14 +19,13 @@ import httpx
 import pytest
 import together
 from api_helpers import ce_sample
-from conftest import TOKEN, LiveServer, serve_in_thread, wait_status
+from conftest import TOKEN, LiveServer, serve_in_thread
 from together import Together
 from together.post_training import download_checkpoint
 
+from tests.faults.procs import output, tiny_session
 from trainer.checkpoints import INFERENCE, TRAINING, CheckpointStore
 
-COMPLETED = "TRAINING_OPERATION_STATUS_COMPLETED"
-TERMINAL = (COMPLETED, "TRAINING_OPERATION_STATUS_FAILED")
 CE = {"type": "LOSS_TYPE_CROSS_ENTROPY"}
 
 
@@ -35,25 +33,8 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def output(http: httpx.Client, sid: str, kind: str, body: dict[str, Any] | None = None) -> Any:
-    url = f"/rl/training-sessions/{sid}/operations/{kind}"
-    op = http.post(url, json=body or {}, headers={"Idempotency-Key": str(uuid.uuid4())}).json()
-    while op["status"] not in TERMINAL:
-        time.sleep(0.02)
-        op = http.get(f"{url}/{op['id']}").json()
-    assert op["status"] == COMPLETED, op
-    return op["output"]
-
-
 def new_session(http: httpx.Client, lora: bool = True) -> str:
-    resource = {"base_model": "tiny-qwen", "lora_enabled": lora}
-    rid = http.post("/rl/model-resources", json=resource).json()["id"]
-    wait_status(http, f"/rl/model-resources/{rid}", "MODEL_RESOURCES_STATUS_READY")
-    body: dict[str, Any] = {"model_resources_id": rid}
-    if lora:
-        body["lora_config"] = {"rank": 4, "seed": 0}
-    sid: str = http.post("/rl/training-sessions", json=body).json()["id"]
-    wait_status(http, f"/rl/training-sessions/{sid}", "TRAINING_SESSION_STATUS_RUNNING")
+    sid = tiny_session(http, lora)
     output(http, sid, "forward-backward", {"loss": CE, "samples": [ce_sample(list(range(3, 20)))]})
     output(http, sid, "optim-step", {})
     return sid

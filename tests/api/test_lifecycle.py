@@ -26,35 +26,16 @@ import torch
 from api_helpers import ce_sample, model_input
 from conftest import TOKEN, LiveServer, serve_in_thread, wait_status
 
+from tests.faults.procs import TERMINAL, new_resource, run_op
 from trainer.api.ops import Job, SessionQueue
 
 REPO = Path(__file__).resolve().parents[2]
-TERMINAL = ("TRAINING_OPERATION_STATUS_COMPLETED", "TRAINING_OPERATION_STATUS_FAILED")
 READY = "MODEL_RESOURCES_STATUS_READY"
 CE = {"type": "LOSS_TYPE_CROSS_ENTROPY"}
 
 
-def run_op(http: httpx.Client, sid: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
-    url = f"/rl/training-sessions/{sid}/operations/{kind}"
-    response = http.post(url, json=body, headers={"Idempotency-Key": str(uuid.uuid4())})
-    assert response.status_code == 200, response.text
-    op: dict[str, Any] = response.json()
-    while op["status"] not in TERMINAL:
-        time.sleep(0.02)
-        op = http.get(f"{url}/{op['id']}").json()
-    return op
-
-
 def create_resource(http: httpx.Client, base_model: str, **extra: Any) -> httpx.Response:
     return http.post("/rl/model-resources", json={"base_model": base_model, **extra})
-
-
-def ready_resource(http: httpx.Client, base_model: str = "tiny-qwen", **extra: Any) -> str:
-    response = create_resource(http, base_model, **extra)
-    assert response.status_code == 200, response.text
-    rid: str = response.json()["id"]
-    wait_status(http, f"/rl/model-resources/{rid}", READY)
-    return rid
 
 
 def create_session(http: httpx.Client, rid: str, **extra: Any) -> httpx.Response:
@@ -237,7 +218,7 @@ def test_session_cap_and_no_thread_per_idle_session(tiny_qwen_dir: Path, tmp_pat
         serve_in_thread(tmp_path / "s", {}, model=model, max_sessions_per_resource=6) as live,
         live.client() as http,
     ):
-        rid = ready_resource(http)
+        rid = new_resource(http, "tiny-qwen")
         sids = [running_session(http, rid, lora_config={"rank": 2}) for _ in range(6)]
         assert wait_until(lambda: _ops_threads() == 0), threading.enumerate()
         total_before = threading.active_count()
@@ -324,7 +305,7 @@ def test_resumed_session_reports_its_checkpoint_lora_config(
     entry = {"name": "tiny-qwen", "location": str(tiny_qwen_dir)}
     trained = {"rank": 4, "alpha": 8, "dropout": 0.0, "train_unembed": False}
     with serve_in_thread(storage, {}, model=[entry]) as live, live.client() as http:
-        rid = ready_resource(http)
+        rid = new_resource(http, "tiny-qwen")
         sid = running_session(http, rid, lora_config={**trained, "seed": 1})
         training = run_op(http, sid, "training-checkpoint", {})["output"]["checkpoint"]["id"]
         inference = run_op(http, sid, "inference-checkpoint", {})["output"]["checkpoint"]["id"]
@@ -353,7 +334,7 @@ def test_resumed_session_reports_its_checkpoint_lora_config(
         serve_in_thread(storage, {}, model=[{**entry, "max_lora_rank": 2}]) as live,
         live.client() as http,
     ):
-        rid = ready_resource(http)
+        rid = new_resource(http, "tiny-qwen")
         before = len(http.get("/rl/training-sessions", params={"limit": 100}).json()["data"])
         for field, value in (
             ("resume_from_checkpoint_id", training),
@@ -416,7 +397,7 @@ def test_context_length_is_the_models(limits_server: LiveServer) -> None:
             assert compute["trainer_config"]["lora"]["max_seq_length"] == limit, name
             assert compute["trainer_config"]["full"]["max_seq_length"] == limit, name
 
-        rid = ready_resource(http, "tiny-llama-4096")
+        rid = new_resource(http, "tiny-llama-4096")
         sid = running_session(http, rid, lora_config={"rank": 2})
         url = f"/rl/training-sessions/{sid}/operations"
         key = {"Idempotency-Key": str(uuid.uuid4())}

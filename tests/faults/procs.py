@@ -176,6 +176,12 @@ def new_session(http: httpx.Client, rid: str, **extra: Any) -> str:
     return sid
 
 
+def tiny_session(http: httpx.Client, lora: bool = True) -> str:
+    """A RUNNING session on a new tiny-qwen resource: LoRA rank 4 (seed 0), or full weights."""
+    rid = new_resource(http, "tiny-qwen", lora_enabled=lora)
+    return new_session(http, rid, **({"lora_config": {"rank": 4, "seed": 0}} if lora else {}))
+
+
 def model_input(tokens: list[int]) -> dict[str, Any]:
     return {"chunks": [{"encoded_text": {"tokens": tokens}}]}
 

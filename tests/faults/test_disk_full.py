@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from tests.api.conftest import serve_in_thread
-from tests.faults.procs import COMPLETED, FAILED, ce_batch, output, run_op
+from tests.faults.procs import COMPLETED, FAILED, ce_batch, output, run_op, tiny_session
 from trainer import checkpoints
 
 TOKEN = "test-token-0123456789"  # tests/api/conftest.py's
@@ -42,27 +42,6 @@ def _fingerprint(storage: Path) -> dict[str, str]:
         for p in sorted(root.rglob("*"))
         if p.is_file()
     }
-
-
-def _session(http: httpx.Client, lora: bool = True) -> str:
-    resource = {"base_model": "tiny-qwen", "lora_enabled": lora}
-    rid = http.post("/rl/model-resources", json=resource).json()["id"]
-    _wait(http, f"/rl/model-resources/{rid}", "MODEL_RESOURCES_STATUS_READY")
-    body: dict[str, Any] = {"model_resources_id": rid}
-    if lora:
-        body["lora_config"] = {"rank": 4, "seed": 0}
-    sid: str = http.post("/rl/training-sessions", json=body).json()["id"]
-    _wait(http, f"/rl/training-sessions/{sid}", "TRAINING_SESSION_STATUS_RUNNING")
-    return sid
-
-
-def _wait(http: httpx.Client, path: str, status: str) -> None:
-    import time
-
-    deadline = time.monotonic() + 60
-    while http.get(path).json()["status"] != status:
-        assert time.monotonic() < deadline, path
-        time.sleep(0.05)
 
 
 def _train(http: httpx.Client, sid: str, seed: int) -> int:
@@ -101,7 +80,7 @@ def test_injected_enospc(
 ) -> None:
     storage = tmp_path / "storage"
     with serve_in_thread(storage, {"tiny-qwen": tiny_qwen_dir}) as live, live.client() as http:
-        sid = _session(http)
+        sid = tiny_session(http)
         step = _train(http, sid, 0)
         output(http, sid, "training-checkpoint")
         output(http, sid, "inference-checkpoint")
@@ -151,7 +130,7 @@ def test_real_full_filesystem(tiny_qwen_dir: Path, tmp_path: Path) -> None:
         serve_in_thread(storage, {"tiny-qwen": tiny_qwen_dir}) as live,
         live.client() as http,
     ):
-        sid = _session(http, lora=False)  # full weights: checkpoints of 0.6-1.8 MB
+        sid = tiny_session(http, lora=False)  # full weights: checkpoints of 0.6-1.8 MB
         step = _train(http, sid, 0)
         sizes = [
             sum(p.stat().st_size for p in (storage / "checkpoints" / ckpt).rglob("*"))
@@ -226,7 +205,7 @@ PAYLOAD = json.dumps({"fill": list(range(50_000))}).encode()  # ~340 kB
 
 
 def _setup(http: httpx.Client) -> tuple[str, str, str]:
-    sid = _session(http)
+    sid = tiny_session(http)
     rid = http.get(f"/rl/training-sessions/{sid}").json()["model_resources_id"]
     output(http, sid, "forward-backward", ce_batch(0))
     upload_url: str = http.post(f"/rl/training-sessions/{sid}/payloads/upload-url").json()[
