@@ -18,7 +18,6 @@ outside int64 are 400s naming the field (`trainer.jsonparse`).
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
@@ -39,7 +38,7 @@ import orjson
 from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
 
-from trainer.api.errors import ApiError, bad_request
+from trainer.api.errors import ApiError, bad_request, is_disk_full
 from trainer.jsonparse import BodyError, decode_object
 
 log = logging.getLogger(__name__)
@@ -259,7 +258,7 @@ async def _spooled(
     except BodyError as exc:
         raise api_error(exc) from None
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if not is_disk_full(exc):
             raise
         raise api_error(BodyError("storage", f"spooling the body failed: {exc.strerror}")) from None
     finally:

@@ -13,7 +13,6 @@ the last run left is swept.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -27,12 +26,11 @@ from typing import Any
 from fastapi.concurrency import run_in_threadpool
 
 from trainer.api.bodies import BodyParser, api_error
-from trainer.api.errors import ApiError, bad_request, failed_precondition
+from trainer.api.errors import ApiError, bad_request, failed_precondition, is_disk_full
 from trainer.errors import OperationError
 from trainer.jsonparse import BodyError
 
 _ID = re.compile(r"^pl_[0-9a-f]{32}$")
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class PayloadStore:
@@ -156,9 +154,9 @@ def offload_result(
     try:
         payload_id = store.write_json(session_id, heavy)
     except OSError as exc:
-        if exc.errno not in DISK_FULL:
+        if not is_disk_full(exc):
             raise
         raise OperationError(
-            "RESOURCE_EXHAUSTED", f"storing the result failed: {os.strerror(exc.errno)}"
+            "RESOURCE_EXHAUSTED", f"storing the result failed: {exc.strerror}"
         ) from None
     return {**inline, "payload_id": payload_id}
