@@ -1,0 +1,70 @@
+"""A virtual environment with the official `tinker` SDK and tinker-cookbook, built once.
+
+`together` 3.1.1 pins `tinker==0.23.1`, so the SDK that tinker-cookbook 0.6.1 needs
+(`tinker>=0.38`) cannot live in the test environment itself. This builds a venv beside it
+(`--system-site-packages`, so torch and transformers are shared, not downloaded again) under
+`~/.cache/trainer-tests/`, and reuses it while the pins below are unchanged.
+
+tinker-cookbook 0.6.1 declares `tml-renderers>=0.4.1`, which the package index does not have;
+only its Inkling and Kimi renderers use it, so the cookbook goes in with `--no-deps` plus its
+other declared requirements and the `math-rl` extra.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TINKER = "tinker==0.38.0"
+COOKBOOK = "tinker-cookbook==0.6.1"
+COOKBOOK_DEPS = (
+    "aiohttp>=3.9.0",
+    "anyio>=4.0.0",
+    "blobfile>=3.0.0",
+    "chz>=0.4.0",
+    "cloudpickle>=3.0.0",
+    "datasets>=2.14.0",
+    "pillow>=10.0.0",
+    "pyrage>=1.4.0",
+    "termcolor>=2.0.0",
+    "tiktoken>=0.12.0",
+    "tqdm>=4.60.0",
+    # the math-rl extra
+    "math-verify>=0.5.0",
+    "pylatexenc>=2.0",
+    "sympy>=1.12.0",
+)
+_PINS = (TINKER, COOKBOOK, *COOKBOOK_DEPS)
+
+
+def venv_dir() -> Path:
+    digest = hashlib.sha256("\n".join((sys.version, *_PINS)).encode()).hexdigest()[:12]
+    root = Path(os.environ.get("TRAINER_TEST_CACHE", Path.home() / ".cache" / "trainer-tests"))
+    return root / f"tinker-venv-{digest}"
+
+
+def tinker_python() -> Path:
+    """The venv's python (built on first use; a file lock keeps parallel builders apart)."""
+    where = venv_dir()
+    python = where / "bin" / "python"
+    done = where / ".complete"
+    where.parent.mkdir(parents=True, exist_ok=True)
+    with open(where.parent / f"{where.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if done.exists():
+            return python
+        subprocess.run(
+            [sys.executable, "-m", "venv", "--clear", "--system-site-packages", str(where)],
+            check=True,
+        )
+        pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+        subprocess.run([*pip, TINKER], check=True)
+        subprocess.run([*pip, "--no-deps", COOKBOOK], check=True)
+        subprocess.run([*pip, *COOKBOOK_DEPS], check=True)
+        subprocess.run([str(python), "-c", "import tinker, tinker_cookbook"], check=True)
+        done.touch()
+    return python

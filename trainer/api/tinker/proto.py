@@ -1,0 +1,341 @@
+"""The protobuf face of the Tinker API: the `tinker_public` messages the SDK sends and reads.
+
+The `tinker` SDK (0.38) posts `forward_backward` as `application/x-protobuf` and, when it polls
+a future with `Accept: application/x-protobuf`, reads `ForwardBackwardOutput` and
+`SampleResponse` results as protobuf too. The messages (package `tinker_public`, proto3, field
+numbers from the SDK's `tinker_public_pb2`) are declared below as tables for `protowire`.
+Bulk numbers travel as raw little-endian bytes (`np.ndarray.tobytes()`), read with
+`np.frombuffer`: tokens are int32, tensors float32 / int64 (int32 and bfloat16 are widened),
+CSR indices int64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from trainer.api.tinker.protowire import Field, ProtoError, Schema, read_message, write_message
+
+__all__ = [
+    "PROTOBUF",
+    "ProtoError",
+    "decode_forward_backward_request",
+    "encode_forward_backward_output",
+    "encode_sample_response",
+]
+
+PROTOBUF = "application/x-protobuf"
+
+MAX_DENSE_ELEMENTS = 1 << 25
+"""Elements that densifying the sparse CSR tensors of one request may allocate, in all."""
+
+
+DTYPE_FLOAT32, DTYPE_INT64, DTYPE_INT32, DTYPE_BFLOAT16 = 1, 2, 3, 4
+STOP_REASONS = {"stop": 0, "length": 1}
+
+SPARSE_CSR: Schema = {
+    1: Field("values", "bytes"),
+    2: Field("crow_indices", "bytes"),
+    3: Field("col_indices", "bytes"),
+}
+TENSOR: Schema = {
+    1: Field("dense", "bytes", oneof="encoding"),
+    2: Field("sparse_csr", "message", message=SPARSE_CSR, oneof="encoding"),
+    3: Field("dtype", "enum"),
+    4: Field("shape", "int64", repeated=True),
+}
+CHUNK: Schema = {
+    1: Field("encoded_text", "message", message={1: Field("tokens", "bytes")}, oneof="chunk"),
+    2: Field(
+        "image",
+        "message",
+        message={1: Field("data", "bytes"), 2: Field("format", "string")},
+        oneof="chunk",
+    ),
+    3: Field("dmel", "message", message={}, oneof="chunk"),
+}
+DATUM: Schema = {
+    1: Field("model_input", "message", repeated=True, message=CHUNK),
+    2: Field("loss_fn_inputs", "map", value="message", message=TENSOR),
+    # 3, 4: provenance spans, not used by this worker (skipped as unknown fields)
+}
+LOSS_CONFIG_VALUE: Schema = {
+    1: Field("number", "double", oneof="value"),
+    2: Field("text", "string", oneof="value"),
+}
+FORWARD_BACKWARD_REQUEST: Schema = {
+    1: Field("model_id", "string"),
+    2: Field("seq_id", "int32"),
+    3: Field("data", "message", repeated=True, message=DATUM),
+    4: Field("loss_fn", "string"),
+    5: Field("loss_fn_config", "map", value="double"),
+    6: Field("forward_only", "bool"),
+    7: Field("loss_fn_config_v2", "map", value="message", message=LOSS_CONFIG_VALUE),
+}
+
+BATCHED_TENSOR: Schema = {
+    1: Field("data", "bytes"),
+    2: Field("offsets", "bytes"),
+    3: Field("dtype", "enum"),
+    4: Field("trailing_shape", "int64", repeated=True),
+}
+ARRAY_RECORD: Schema = {
+    1: Field("type_tag", "string"),
+    2: Field("fields", "map", value="message", message=BATCHED_TENSOR),
+    3: Field("num_datums", "int64"),
+}
+FORWARD_BACKWARD_OUTPUT: Schema = {
+    1: Field("loss_fn_output_type", "string"),
+    2: Field("loss_fn_outputs", "message", repeated=True, message=ARRAY_RECORD),
+    3: Field("metrics", "map", value="double"),
+}
+TOPK_LOGPROBS: Schema = {
+    1: Field("token_ids", "bytes"),
+    2: Field("logprobs", "bytes"),
+    3: Field("k", "uint32"),
+    4: Field("length", "uint32"),
+}
+SAMPLED_SEQUENCE: Schema = {
+    1: Field("stop_reason", "enum"),
+    2: Field("tokens", "bytes"),
+    3: Field("logprobs", "bytes"),
+    4: Field("topk_sampled_logprobs", "message", message=TOPK_LOGPROBS),
+}
+SAMPLE_RESPONSE: Schema = {
+    1: Field("sequences", "message", repeated=True, message=SAMPLED_SEQUENCE),
+    2: Field("prompt_logprobs", "bytes"),
+    3: Field("topk_prompt_logprobs", "message", message=TOPK_LOGPROBS),
+    4: Field("prompt_cache_hit_tokens", "int32"),
+}
+
+
+_WIDE = {
+    DTYPE_FLOAT32: ("<f4", "float32"),
+    DTYPE_INT64: ("<i8", "int64"),
+    DTYPE_INT32: ("<i4", "int64"),
+    DTYPE_BFLOAT16: ("<u2", "float32"),
+}
+
+
+def _array(raw: memoryview, wire_dtype: str, path: str) -> np.ndarray:
+    """Raw little-endian bytes as a fresh native 1-D array."""
+    itemsize = np.dtype(wire_dtype).itemsize
+    if len(raw) % itemsize:
+        raise ProtoError(path, f"{len(raw)} bytes is not a whole number of {wire_dtype} values")
+    return np.frombuffer(raw, dtype=wire_dtype).astype(wire_dtype[1:])
+
+
+def _tensor(msg: dict[str, Any], path: str, budget: list[int]) -> dict[str, Any]:
+    if msg["dtype"] not in _WIDE:
+        raise ProtoError(f"{path}.dtype", f"unknown tensor dtype {msg['dtype']}")
+    wire_dtype, dtype = _WIDE[msg["dtype"]]
+    shape: list[int] = msg["shape"]
+    if any(n < 0 for n in shape):
+        raise ProtoError(f"{path}.shape", f"negative dimension in {shape}")
+    size = int(np.prod(shape, dtype=object)) if shape else None
+    csr = msg["sparse_csr"]
+    if csr is None:
+        values = _array(msg["dense"] or memoryview(b""), wire_dtype, f"{path}.dense")
+        if size is not None and values.size != size:
+            raise ProtoError(f"{path}.dense", f"{values.size} values for shape {shape}")
+    else:
+        if len(shape) != 2:
+            raise ProtoError(f"{path}.shape", f"a sparse CSR tensor needs a 2-D shape, got {shape}")
+        rows, cols = shape
+        nonzero = _array(csr["values"], wire_dtype, f"{path}.sparse_csr.values")
+        crow = _array(csr["crow_indices"], "<i8", f"{path}.sparse_csr.crow_indices")
+        col = _array(csr["col_indices"], "<i8", f"{path}.sparse_csr.col_indices")
+        where = f"{path}.sparse_csr"
+        if crow.size != rows + 1 or crow[0] != 0 or np.any(np.diff(crow) < 0):
+            raise ProtoError(f"{where}.crow_indices", f"not {rows + 1} row pointers from 0 up")
+        if crow[-1] != nonzero.size or col.size != nonzero.size:
+            raise ProtoError(where, "values, col_indices and crow_indices[-1] disagree")
+        if col.size and (col.min() < 0 or col.max() >= cols):
+            raise ProtoError(f"{where}.col_indices", f"a column outside [0, {cols})")
+        assert size is not None
+        budget[0] -= size
+        if budget[0] < 0:
+            raise ProtoError(path, f"densified tensors exceed {MAX_DENSE_ELEMENTS} elements")
+        values = np.zeros(size, dtype=wire_dtype[1:])
+        values[np.repeat(np.arange(rows), np.diff(crow)) * cols + col] = nonzero
+    if msg["dtype"] == DTYPE_BFLOAT16:
+        values = (values.astype(np.uint32) << 16).view(np.float32)
+    return {"data": values.astype(dtype, copy=False), "dtype": dtype, "shape": shape or None}
+
+
+def _chunk(msg: dict[str, Any], path: str) -> dict[str, Any]:
+    if msg["encoded_text"] is not None:
+        tokens = _array(msg["encoded_text"]["tokens"], "<i4", f"{path}.encoded_text.tokens")
+        return {"type": "encoded_text", "tokens": tokens.tolist()}
+    if msg["image"] is not None:
+        image = msg["image"]
+        return {"type": "image", "format": image["format"], "data_bytes": len(image["data"])}
+    if msg["dmel"] is not None:
+        return {"type": "dmel"}
+    raise ProtoError(path, "a chunk with none of encoded_text, image, dmel")
+
+
+def decode_forward_backward_request(body: bytes) -> dict[str, Any]:
+    """A protobuf `ForwardBackwardRequest` as the JSON shape of the SDK's request.
+
+    Returns `{"model_id", "seq_id", "forward_only", "forward_backward_input": {"loss_fn",
+    "loss_fn_config" (dict or None; `loss_fn_config_v2` wins, text values stay str),
+    "data": [{"model_input": {"chunks": [...]}, "loss_fn_inputs": {name: {"data": 1-D numpy
+    float32/int64, "dtype", "shape": list or None}}}]}}`. Chunks are `{"type": "encoded_text",
+    "tokens": [...]}`, or image / dmel markers. Sparse CSR tensors come back dense.
+    Raises `ProtoError` (a `ValueError`) on any malformed body.
+    """
+    msg = read_message(body, FORWARD_BACKWARD_REQUEST)
+    config: dict[str, Any] = dict(msg["loss_fn_config"])
+    for key, value in msg["loss_fn_config_v2"].items():
+        if value["number"] is not None:
+            config[key] = value["number"]
+        elif value["text"] is not None:
+            config[key] = value["text"]
+        else:
+            raise ProtoError(f"loss_fn_config_v2[{key!r}]", "neither number nor text is set")
+    budget = [MAX_DENSE_ELEMENTS]
+    data = []
+    for i, datum in enumerate(msg["data"]):
+        where = f"data[{i}]"
+        chunks = [
+            _chunk(c, f"{where}.model_input[{j}]") for j, c in enumerate(datum["model_input"])
+        ]
+        inputs = {
+            name: _tensor(tensor, f"{where}.loss_fn_inputs[{name!r}]", budget)
+            for name, tensor in datum["loss_fn_inputs"].items()
+        }
+        data.append({"model_input": {"chunks": chunks}, "loss_fn_inputs": inputs})
+    return {
+        "model_id": msg["model_id"],
+        "seq_id": msg["seq_id"],
+        "forward_only": msg["forward_only"],
+        "forward_backward_input": {
+            "loss_fn": msg["loss_fn"],
+            "loss_fn_config": config or None,
+            "data": data,
+        },
+    }
+
+
+def _wire_dtype(array: np.ndarray) -> tuple[int, np.dtype]:
+    if array.dtype.kind == "f":
+        return DTYPE_FLOAT32, np.dtype("<f4")
+    if array.dtype.kind in "iub":
+        return DTYPE_INT64, np.dtype("<i8")
+    raise ValueError(f"cannot send a {array.dtype} array as a Tinker tensor")
+
+
+def _record(outputs: list[dict[str, np.ndarray]], type_tag: str) -> dict[str, Any]:
+    """One ArrayRecord: each field's per-datum arrays concatenated, with byte offsets."""
+    fields = {}
+    for name in outputs[0]:
+        arrays = [np.asarray(datum[name]) for datum in outputs]
+        proto_dtype, wire_dtype = _wire_dtype(arrays[0])
+        flat = [a.astype(wire_dtype).reshape(-1) for a in arrays]
+        sizes = np.array([0] + [a.nbytes for a in flat], dtype=np.int64)
+        fields[name] = {
+            "data": b"".join(a.tobytes() for a in flat),
+            "offsets": np.cumsum(sizes).astype("<i8").tobytes(),
+            "dtype": proto_dtype,
+            "trailing_shape": list(arrays[0].shape[1:]),
+        }
+    return {"type_tag": type_tag, "fields": fields, "num_datums": len(outputs)}
+
+
+def encode_forward_backward_output(out: Mapping[str, Any]) -> bytes:
+    """A `ForwardBackwardOutput` as the SDK's `deserialize_proto_response` reads it.
+
+    `out` is `{"loss_fn_output_type": str, "loss_fn_outputs": [{name: numpy array}],
+    "metrics": {str: float}}`; arrays are float (sent as float32) or integer (int64). Each run
+    of datums whose fields keep one dtype and trailing shape is one ArrayRecord, so the SDK
+    rebuilds every array's shape as `[leading, *trailing]` (a 0-d array comes back as `[1]`).
+    """
+    outputs = [{k: np.asarray(v) for k, v in datum.items()} for datum in out["loss_fn_outputs"]]
+    names = list(outputs[0]) if outputs else []
+    for i, datum in enumerate(outputs):
+        if sorted(datum) != sorted(names):
+            raise ValueError(f"loss_fn_outputs[{i}] has fields {sorted(datum)}, not {names}")
+
+    def layout(datum: dict[str, np.ndarray]) -> list[tuple[int, tuple[int, ...]]]:
+        return [(_wire_dtype(datum[n])[0], datum[n].shape[1:]) for n in names]
+
+    records: list[dict[str, Any]] = []
+    start = 0
+    type_tag = out["loss_fn_output_type"]
+    for end in range(1, len(outputs) + 1):
+        if end == len(outputs) or layout(outputs[end]) != layout(outputs[start]):
+            records.append(_record(outputs[start:end], type_tag))
+            start = end
+    message = {
+        "loss_fn_output_type": type_tag,
+        "loss_fn_outputs": records,
+        "metrics": {k: float(v) for k, v in out.get("metrics", {}).items()},
+    }
+    return write_message(message, FORWARD_BACKWARD_OUTPUT)
+
+
+_MASK_LOGPROB = -99999.0  # the SDK's sentinel for an empty top-k cell
+
+
+def _int32_bytes(values: Any, what: str) -> bytes:
+    array = np.asarray(values, dtype=np.int64).reshape(-1)
+    if array.size and (array.min() < -(2**31) or array.max() >= 2**31):
+        raise ValueError(f"{what} do not fit in int32")
+    return array.astype("<i4").tobytes()
+
+
+def _topk(rows: list[list[tuple[int, float]] | None], what: str) -> dict[str, Any]:
+    """Rows of (token, logprob) pairs, or None, as the dense N x K sentinel-padded matrices."""
+    k = max((len(row) for row in rows if row), default=0) or 1  # k = 0 would read back as None
+    token_ids = np.zeros((len(rows), k), dtype=np.int64)
+    logprobs = np.full((len(rows), k), _MASK_LOGPROB, dtype=np.float64)
+    for i, row in enumerate(rows):
+        for j, (token, logprob) in enumerate(row or ()):
+            token_ids[i, j], logprobs[i, j] = token, logprob
+    return {
+        "token_ids": _int32_bytes(token_ids, f"{what} token ids"),
+        "logprobs": logprobs.astype("<f4").tobytes(),
+        "k": k,
+        "length": len(rows),
+    }
+
+
+def _float32_bytes(values: list[float | None]) -> bytes:
+    return np.array([np.nan if v is None else v for v in values], dtype="<f4").tobytes()
+
+
+def encode_sample_response(resp: Mapping[str, Any]) -> bytes:
+    """A `SampleResponse` as the SDK's `deserialize_proto_response` reads it.
+
+    `resp` is `{"sequences": [{"tokens", "logprobs" (list or None), "stop_reason": "stop" |
+    "length", optional "topk_logprobs"}], "prompt_logprobs" (list with None entries, or None),
+    "topk_prompt_logprobs" (rows of (token, logprob) pairs or None, or None),
+    "prompt_cache_hit_tokens"}`. None prompt logprobs travel as NaN, None top-k rows as
+    sentinel rows; sequence ids are not on the wire (the SDK stamps them from the future).
+    """
+    sequences = []
+    for i, seq in enumerate(resp["sequences"]):
+        if seq["stop_reason"] not in STOP_REASONS:
+            raise ValueError(f"sequences[{i}].stop_reason {seq['stop_reason']!r} is unknown")
+        logprobs = seq.get("logprobs")
+        topk = seq.get("topk_logprobs")
+        sequences.append(
+            {
+                "stop_reason": STOP_REASONS[seq["stop_reason"]],
+                "tokens": _int32_bytes(seq["tokens"], f"sequences[{i}].tokens"),
+                "logprobs": None if logprobs is None else _float32_bytes(logprobs),
+                "topk_sampled_logprobs": None if topk is None else _topk(topk, f"sequences[{i}]"),
+            }
+        )
+    prompt_logprobs = resp.get("prompt_logprobs")
+    topk_prompt = resp.get("topk_prompt_logprobs")
+    message = {
+        "sequences": sequences,
+        "prompt_logprobs": None if prompt_logprobs is None else _float32_bytes(prompt_logprobs),
+        "topk_prompt_logprobs": None if topk_prompt is None else _topk(topk_prompt, "prompt"),
+        "prompt_cache_hit_tokens": int(resp.get("prompt_cache_hit_tokens", 0)),
+    }
+    return write_message(message, SAMPLE_RESPONSE)
