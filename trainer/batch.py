@@ -37,10 +37,18 @@ class PreparedSample:
     targets_T: torch.Tensor
     mask_T: torch.Tensor  # fp32 0/1
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # fp32 per-token inputs
+    keep_all: bool = False  # compute (and return) every position; the loss still reads mask_T
 
     @property
     def length(self) -> int:
         return int(self.tokens_T.shape[0])
+
+    @property
+    def kept_T(self) -> torch.Tensor:
+        """The positions whose logprobs are computed: mask != 0, or all with `keep_all`."""
+        if self.keep_all:
+            return torch.ones(self.length, dtype=torch.bool)
+        return self.mask_T != 0
 
 
 def prepare_samples(
@@ -226,10 +234,13 @@ class MicroBatch:
         """A per-token input of the samples, at the kept positions, in `_P` order."""
         if not all(name in s.inputs for s in self.samples):
             return None
-        return torch.cat([s.inputs[name][s.mask_T != 0] for s in self.samples])
+        return torch.cat([s.inputs[name][s.kept_T] for s in self.samples])
 
     def mask_P(self) -> torch.Tensor:
-        return torch.ones(self.keep_index_P.shape[0], dtype=torch.float32)
+        """m_t at the kept positions: all ones unless a sample keeps every position."""
+        if not any(s.keep_all for s in self.samples):
+            return torch.ones(self.keep_index_P.shape[0], dtype=torch.float32)
+        return torch.cat([s.mask_T[s.kept_T] for s in self.samples])
 
     def decoder_inputs(
         self,
@@ -327,7 +338,7 @@ def _build(rows: list[list[PreparedSample]]) -> MicroBatch:
     placed.sort(key=lambda item: item[0].index)
     keep, sample_index, targets = [], [], []
     for local, (sample, r, offset) in enumerate(placed):
-        kept = torch.nonzero(sample.mask_T != 0).squeeze(-1)
+        kept = torch.nonzero(sample.kept_T).squeeze(-1)
         keep.append(r * width + offset + kept)
         sample_index.append(torch.full((kept.shape[0],), local, dtype=torch.long))
         targets.append(sample.targets_T[kept])

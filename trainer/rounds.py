@@ -53,10 +53,11 @@ def add_metrics(
 def collect_outputs(
     batch: MicroBatch, logprobs_P: torch.Tensor, outputs: dict[int, list[float]]
 ) -> None:
-    """Each sample's logprobs at every position (0 where masked), by call-level index."""
+    """Each sample's logprobs at every position (0 where not kept: masked, unless the sample
+    keeps every position), by call-level index."""
     offset = 0
     for sample in batch.samples:
-        kept = sample.mask_T != 0
+        kept = sample.kept_T
         n = int(kept.sum())
         full = torch.zeros(sample.length, dtype=torch.float32)
         full[kept] = logprobs_P[offset : offset + n]

@@ -168,10 +168,17 @@ class TrainingSession(GeneratorOps):
         *,
         forward_only: bool = False,
         return_loss_fn_outputs: bool = False,
+        logprobs_unmasked: bool = False,
     ) -> dict[str, Any]:
-        """Part B §1–5. Returns {"loss", "metrics", "loss_fn_outputs"?}."""
+        """Part B §1–5. Returns {"loss", "metrics", "loss_fn_outputs"?}.
+
+        `logprobs_unmasked` (the Tinker face): `loss_fn_outputs` hold lp_t at every position,
+        masked ones included (Part B rule 4 zeroes them otherwise); loss, gradients and metrics
+        are unchanged."""
         spec, params = loss.spec, loss.params()
         prepared = self._prepare(samples, spec.required, weights_are_mask=spec.weights_are_mask)
+        for sample in prepared:
+            sample.keep_all = logprobs_unmasked
         check_rules(prepared, spec.rules_for(params))
         compute = pick_loss(loss.type, params)
 
@@ -266,6 +273,8 @@ class TrainingSession(GeneratorOps):
                 if not forward_only and loss.requires_grad:
                     loss.backward()
                 if real:
+                    if entropy_P is not None and any(s.keep_all for s in batch.samples):
+                        entropy_P = entropy_P[batch.mask_P().to(entropy_P.device) != 0]
                     add_metrics(sums, {}, entropy_P)
                 if real and return_outputs:
                     collect_outputs(batch, logprobs_P.detach().float().cpu(), outputs)

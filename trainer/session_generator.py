@@ -121,7 +121,7 @@ class GeneratorOps(abc.ABC):
                     prompts,
                     num_samples=num_samples,
                     params=params,
-                    eos_ids=self.resource.eos_ids,
+                    eos_ids=self.resource.eos_ids | set(params.stop_token_ids),
                     stop_hit=stop_hit,
                     seed=params.seed,
                     forward=forward,

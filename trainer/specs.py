@@ -381,6 +381,8 @@ class SamplingParams(Spec):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, ge=-1)
     stop: list[str] = Field(default_factory=list)
+    # token ids that end a sequence like EOS does (the Tinker face's integer `stop`)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     seed: Seed | None = None
 
 
@@ -395,6 +397,9 @@ class ModelEntry(StrictSpec):
     name: str = Field(min_length=1, description="name clients use as base_model")
     location: str = Field(min_length=1, description="local dir, hub id, or hf://org/name")
     revision: str | None = None
+    tokenizer: str | None = Field(
+        default=None, description="tokenizer dir or hub id (default: location)"
+    )
     max_seq_length: int = Field(default=4096, ge=2, description="tokens per sample")
     max_lora_rank: int = Field(default=64, ge=1)
     max_batch_size: int = Field(default=256, ge=1, description="samples per call")

@@ -77,6 +77,7 @@ OPERATIONS: dict[str, Operation] = {
                 "samples": b.samples,
                 "forward_only": b.forward_only,
                 "return_loss_fn_outputs": b.return_loss_fn_outputs,
+                "logprobs_unmasked": b.logprobs_unmasked,
             },
             check=check_forward_backward,
         ),

@@ -77,6 +77,8 @@ class ForwardBackwardBody(Spec):
     samples: list[Sample] = Field(min_length=1)
     forward_only: bool = False
     return_loss_fn_outputs: bool = False
+    # the Tinker face: per-token logprobs at every position, masked ones included
+    logprobs_unmasked: bool = False
 
 
 class CustomForwardBackwardBody(Spec):

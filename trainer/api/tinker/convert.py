@@ -1,0 +1,467 @@
+"""Tinker requests and results to and from the engine's operation bodies and results.
+
+A Tinker model is a training session, so each Tinker call becomes one of our operations: these
+functions only translate shapes and names, check what the engine cannot name in Tinker's terms,
+and raise `TinkerInputError` (its `field` is the Tinker field, e.g.
+`forward_backward_input.data[3].loss_fn_inputs.advantages`) on anything they cannot map.
+
+Losses (Tinker `loss_fn` -> ours; every Tinker loss is a plain sum over all positions with no
+mask, so RL datums go out without `mask`/`weights`: the engine sees all ones):
+- `cross_entropy` -> CROSS_ENTROPY, `weights` as sent (fractional or negative: the SDK's custom
+  loss sends -dC/dlogprob); no `weights`: all ones.
+- `importance_sampling` -> IMPORTANCE_SAMPLING.
+- `ppo` -> PPO, `cispo` -> CISPO: `clip_low_threshold` / `clip_high_threshold`, Tinker's
+  defaults 0.8 / 1.2 (its ε = 0.2) always sent (CISPO's own defaults are 0.0 / 5.0).
+- `dro` -> DRO, `beta` required.
+- `gspo` -> GRPO with ratio SEQUENCE, FIXED_HORIZON, β 0, clip defaults 0.8 / 1.2 (see below).
+- `stable_reinforce`, `custom`: refused (server-side state or loss ids the SDK does not specify).
+
+gspo: Tinker's loss is `-Σ_t min(s_t·A_t, clip(s_t, lo, hi)·A_t)` over every position, with
+`s_t` the sequence ratio (mean log-ratio over `sequence_ratio_mask`) carrying each token's own
+gradient: Part B rule 2's SEQUENCE ratio with mask = `sequence_ratio_mask` (absent: all ones).
+Rule 2 sums masked tokens only and divides by the aggregation's denominator; FIXED_HORIZON's is
+`num_samples · H` (H the longest datum) and the summand is positively homogeneous in A_t, so
+sending `A_t · num_samples · H` gives Tinker's sum exactly (up to fp32 rounding of the product).
+Positions outside `sequence_ratio_mask` are left out, which equals Tinker's sum only when their
+advantage is 0 (the cookbook's case): a non-zero advantage there is refused.
+
+Per-datum outputs: every forward-backward asks for `loss_fn_outputs` with `logprobs_unmasked`,
+so `logprobs` hold lp_t at every position, as Tinker returns them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from pydantic import ValidationError
+
+from trainer.api.tinker.convert_inputs import (
+    TinkerInputError,
+    integer,
+    number,
+    tensor_values,
+    token_ids,
+)
+from trainer.specs import AdamParams
+
+__all__ = [
+    "TinkerInputError",
+    "forward_backward_body",
+    "forward_backward_output",
+    "optim_step_body",
+    "optim_step_output",
+    "sample_body",
+    "sample_output",
+]
+
+FBI = "forward_backward_input"
+
+# Tinker loss name -> (our loss type, the loss_fn_inputs it needs, those it may carry)
+_POLICY = ("target_tokens", "logprobs", "advantages")
+_LOSS_INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "cross_entropy": (("target_tokens",), ("weights",)),
+    "importance_sampling": (_POLICY, ()),
+    "ppo": (_POLICY, ()),
+    "cispo": (_POLICY, ()),
+    "dro": (_POLICY, ()),
+    "gspo": (_POLICY, ("sequence_ratio_mask",)),
+}
+_LOSS_TYPES = {
+    "cross_entropy": "LOSS_TYPE_CROSS_ENTROPY",
+    "importance_sampling": "LOSS_TYPE_IMPORTANCE_SAMPLING",
+    "ppo": "LOSS_TYPE_PPO",
+    "cispo": "LOSS_TYPE_CISPO",
+    "dro": "LOSS_TYPE_DRO",
+    "gspo": "LOSS_TYPE_GRPO",
+}
+_REFUSED = {
+    "stable_reinforce": "stable_reinforce needs stability information recorded by the server at "
+    "sampling time, which the Tinker SDK does not specify; use importance_sampling, ppo, cispo, "
+    "dro or gspo",
+    "custom": "server-side custom losses are not supported; use forward_backward_custom, which "
+    "computes the loss on the client",
+}
+# Tinker's clip defaults (ε_low = ε_high = 0.2 in its loss docs)
+_CLIP_DEFAULTS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+_INT_INPUTS = ("target_tokens",)
+
+
+def _config(fbi: Mapping[str, Any], loss_fn: str) -> dict[str, float]:
+    """`loss_fn_config` checked against the loss's knobs, with Tinker's defaults filled in."""
+    raw = fbi.get("loss_fn_config") or {}
+    if not isinstance(raw, Mapping):
+        raise TinkerInputError(f"{FBI}.loss_fn_config", "must be an object")
+    known: dict[str, float | None] = {}
+    if loss_fn in ("ppo", "cispo", "gspo"):
+        known = dict(_CLIP_DEFAULTS)
+    elif loss_fn == "dro":
+        known = {"beta": None}
+    for key in raw:
+        if key not in known:
+            allowed = sorted(known) or "none"
+            raise TinkerInputError(
+                f"{FBI}.loss_fn_config.{key}",
+                f"is not a knob of {loss_fn} (its knobs: {allowed})",
+            )
+    out: dict[str, float] = {}
+    for key, default in known.items():
+        field = f"{FBI}.loss_fn_config.{key}"
+        if raw.get(key) is None:
+            if default is None:
+                raise TinkerInputError(field, f"is required for {loss_fn}")
+            out[key] = default
+        else:
+            out[key] = number(raw[key], field)
+    low, high = out.get("clip_low_threshold"), out.get("clip_high_threshold")
+    if low is not None and not 0.0 <= low <= 1.0:
+        raise TinkerInputError(f"{FBI}.loss_fn_config.clip_low_threshold", "must be in [0, 1]")
+    if high is not None and high < 1.0:
+        raise TinkerInputError(f"{FBI}.loss_fn_config.clip_high_threshold", "must be >= 1")
+    if out.get("beta", 0.0) < 0.0:
+        raise TinkerInputError(f"{FBI}.loss_fn_config.beta", "must be >= 0")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# forward / forward_backward
+# --------------------------------------------------------------------------------------------
+
+
+def _loss(loss_fn: str, config: dict[str, float]) -> dict[str, Any]:
+    loss_type = _LOSS_TYPES[loss_fn]
+    if loss_fn == "gspo":
+        params: dict[str, Any] = {
+            **config,
+            "beta": 0.0,
+            "ratio_type": "GRPO_LOSS_RATIO_TYPE_SEQUENCE",
+            "agg_type": "GRPO_LOSS_AGGREGATION_TYPE_FIXED_HORIZON",
+        }
+        return {"type": loss_type, "grpo_params": params}
+    if loss_fn in ("ppo", "cispo", "dro"):
+        return {"type": loss_type, f"{loss_fn}_params": config}
+    return {"type": loss_type}
+
+
+def forward_backward_body(fbi: dict[str, Any], forward_only: bool) -> dict[str, Any]:
+    """Tinker's `forward_backward_input` -> the body of our `forward-backward` operation.
+
+    `fbi` is `{"data": [Datum], "loss_fn": str, "loss_fn_config": dict | None}` as JSON or as
+    `proto.decode_forward_backward_request` returns it. The body asks for per-token logprobs at
+    every position (`logprobs_unmasked`). Raises `TinkerInputError` naming the field.
+    """
+    if not isinstance(fbi, Mapping):
+        raise TinkerInputError(FBI, "must be an object")
+    loss_fn = fbi.get("loss_fn")
+    if loss_fn in _REFUSED:
+        raise TinkerInputError(f"{FBI}.loss_fn", _REFUSED[loss_fn])
+    if loss_fn not in _LOSS_TYPES:
+        raise TinkerInputError(
+            f"{FBI}.loss_fn", f"unknown loss {loss_fn!r}; one of {sorted(_LOSS_TYPES)}"
+        )
+    config = _config(fbi, loss_fn)
+    data = fbi.get("data")
+    if not isinstance(data, list) or not data:
+        raise TinkerInputError(f"{FBI}.data", "must be a non-empty list of datums")
+    required, optional = _LOSS_INPUTS[loss_fn]
+    datums = [_datum(d, f"{FBI}.data[{i}]", required, optional) for i, d in enumerate(data)]
+    if loss_fn == "gspo":
+        _gspo_inputs(datums)
+    samples = []
+    for tokens, inputs in datums:
+        loss_fn_inputs = {
+            name: {"data": values, "dtype": "int64" if name in _INT_INPUTS else "float32"}
+            for name, values in inputs.items()
+        }
+        samples.append(
+            {
+                "model_input": {"chunks": [{"encoded_text": {"tokens": tokens}}]},
+                "loss_fn_inputs": loss_fn_inputs,
+            }
+        )
+    return {
+        "loss": _loss(loss_fn, config),
+        "samples": samples,
+        "forward_only": bool(forward_only),
+        "return_loss_fn_outputs": True,
+        "logprobs_unmasked": True,
+    }
+
+
+_DATUM_KEYS = {"model_input", "loss_fn_inputs", "model_input_spans", "loss_fn_input_spans"}
+
+
+def _datum(
+    datum: Any, where: str, required: tuple[str, ...], optional: tuple[str, ...]
+) -> tuple[list[int], dict[str, np.ndarray]]:
+    """One datum's tokens and its loss inputs, as arrays (int64 targets, float64 the rest)."""
+    if not isinstance(datum, Mapping):
+        raise TinkerInputError(where, "must be an object")
+    for key in datum:
+        if key not in _DATUM_KEYS:
+            raise TinkerInputError(f"{where}.{key}", "is not a Datum field")
+    tokens = token_ids(datum.get("model_input"), f"{where}.model_input")
+    raw = datum.get("loss_fn_inputs") or {}
+    if not isinstance(raw, Mapping):
+        raise TinkerInputError(f"{where}.loss_fn_inputs", "must be an object")
+    for name in raw:
+        if name not in required and name not in optional:
+            raise TinkerInputError(
+                f"{where}.loss_fn_inputs.{name}",
+                f"is not an input of this loss (it reads {[*required, *optional]})",
+            )
+    inputs: dict[str, np.ndarray] = {}
+    for name in (*required, *optional):
+        field = f"{where}.loss_fn_inputs.{name}"
+        if name not in raw:
+            if name in required:
+                raise TinkerInputError(field, "is required by this loss")
+            continue
+        values = tensor_values(raw[name], field, len(tokens))
+        if name in _INT_INPUTS:
+            if np.any(values != np.trunc(values)) or raw[name].get("dtype") != "int64":
+                raise TinkerInputError(f"{field}.dtype", "token ids must be int64")
+            if values.size and values.min() < 0:
+                raise TinkerInputError(field, "negative token id")
+            inputs[name] = values.astype(np.int64)
+        else:
+            inputs[name] = values
+    if "weights" in optional and "weights" not in inputs:
+        inputs["weights"] = np.ones(len(tokens))  # cross entropy on every token
+    return tokens, inputs
+
+
+def _gspo_inputs(datums: list[tuple[list[int], dict[str, np.ndarray]]]) -> None:
+    """`sequence_ratio_mask` -> our mask; advantages scaled by num_samples · H (module doc)."""
+    scale = float(len(datums) * max(len(tokens) for tokens, _ in datums))
+    for i, (tokens, inputs) in enumerate(datums):
+        ratio_mask = inputs.pop("sequence_ratio_mask", np.ones(len(tokens)))
+        outside = np.flatnonzero((ratio_mask == 0) & (inputs["advantages"] != 0))
+        if outside.size:
+            raise TinkerInputError(
+                f"{FBI}.data[{i}].loss_fn_inputs.advantages",
+                f"is non-zero at position {int(outside[0])}, outside sequence_ratio_mask; gspo "
+                "here sums only the positions of sequence_ratio_mask",
+            )
+        inputs["mask"] = (ratio_mask != 0).astype(np.float64)
+        inputs["advantages"] = inputs["advantages"] * scale
+        if np.abs(inputs["advantages"]).max() > np.finfo(np.float32).max:
+            raise TinkerInputError(
+                f"{FBI}.data[{i}].loss_fn_inputs.advantages", "too large for gspo in float32"
+            )
+
+
+def _metric_name(name: str) -> str:
+    """Our metric name with the reduction suffix the SDK combines chunks by (`name:sum`)."""
+    base = name.replace(":", "/")
+    if base == "loss/tokens":
+        return f"{base}:sum"
+    return f"{base.removesuffix('/mean')}:mean"
+
+
+def forward_backward_output(result: dict[str, Any], loss_fn: str) -> dict[str, Any]:
+    """Our forward-backward result -> Tinker's `ForwardBackwardOutput` shape:
+    `{"loss_fn_output_type": "ArrayRecord", "loss_fn_outputs": [{"logprobs": float32 array}],
+    "metrics": {"loss:sum": loss, ...}}`. Every metric name carries one reduction suffix
+    (`:sum` or `:mean`), so the SDK combines chunked calls. The result must hold its
+    `loss_fn_outputs` (read an offloaded payload first)."""
+    if "loss_fn_outputs" not in result:
+        raise ValueError("the result has no loss_fn_outputs (read its payload first)")
+    outputs = [
+        {"logprobs": np.asarray(out["tensors"]["logprobs"]["data"], dtype=np.float32)}
+        for out in result["loss_fn_outputs"]
+    ]
+    metrics = {_metric_name(k): float(v) for k, v in (result.get("metrics") or {}).items()}
+    metrics["loss:sum"] = float(result["loss"])
+    return {"loss_fn_output_type": "ArrayRecord", "loss_fn_outputs": outputs, "metrics": metrics}
+
+
+# --------------------------------------------------------------------------------------------
+# optim_step
+# --------------------------------------------------------------------------------------------
+
+# Tinker's `AdamParams` defaults (the SDK sends every field; these fill a hand-written body)
+_TINKER_ADAM = {
+    "learning_rate": 1e-4,
+    "beta1": 0.9,
+    "beta2": 0.95,
+    "eps": 1e-12,
+    "weight_decay": 0.0,
+    "grad_clip_norm": 0.0,
+}
+
+
+def optim_step_body(req: dict[str, Any]) -> dict[str, Any]:
+    """Tinker's `OptimStepRequest` -> our `optim-step` body `{"adam_params": {...}}`.
+
+    The params come as `adam_params`, `optimizer_params` or `optim_params`; only AdamW is
+    served (a `dimuon` or other family is a `TinkerInputError` naming `optim_params.type`)."""
+    if not isinstance(req, Mapping):
+        raise TinkerInputError("optim_params", "the request must be an object")
+    given = [k for k in ("adam_params", "optimizer_params", "optim_params") if k in req]
+    if len(given) != 1:
+        raise TinkerInputError("adam_params", "send exactly one of adam_params / optimizer_params")
+    key = given[0]
+    params = req[key]
+    if not isinstance(params, Mapping):
+        raise TinkerInputError(key, "must be an object")
+    family = params.get("type", "adamw")
+    if family != "adamw":
+        raise TinkerInputError(
+            "optim_params.type", f"optimizer {family!r} is not served; this worker trains AdamW"
+        )
+    for name in params:
+        if name not in _TINKER_ADAM and name != "type":
+            raise TinkerInputError(f"{key}.{name}", "is not an AdamParams field")
+    adam = {name: params.get(name, default) for name, default in _TINKER_ADAM.items()}
+    for name, value in adam.items():
+        number(value, f"{key}.{name}")
+    try:
+        AdamParams.model_validate(adam)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        name = ".".join(str(part) for part in error["loc"])
+        raise TinkerInputError(f"{key}.{name}", error["msg"]) from None
+    return {"adam_params": adam}
+
+
+def optim_step_output(result: dict[str, Any]) -> dict[str, Any]:
+    """Our optim-step result -> Tinker's `OptimStepResponse`: `{"metrics": {...}}` with our
+    metric names (`grad_norm` before clipping, `grad_norm_clipped`, `learning_rate`, ...)."""
+    metrics = result.get("metrics") or {}
+    return {
+        "metrics": {
+            name: float(value)
+            for name, value in metrics.items()
+            if isinstance(value, int | float) and not isinstance(value, bool)
+        }
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# sample
+# --------------------------------------------------------------------------------------------
+
+# SampleRequest fields that select the model or sequence (the routes' business) or are off
+_SAMPLE_ROUTING = {"base_model", "model_path", "sampling_session_id", "seq_id", "type"}
+_SAMPLE_OFF = {
+    "topk_sample_logprobs": 0,
+    "target_prompt_logprobs": None,
+    "prompt_alt_tokens_k": 0,
+    "prompt_logprobs_last_n": None,
+    "record_stability_info": None,
+}
+_SAMPLING_KEYS = ("max_tokens", "seed", "temperature", "top_k", "top_p")
+
+
+def sample_body(req: dict[str, Any]) -> dict[str, Any]:
+    """Tinker's `SampleRequest` -> the body of our `sample` operation (one prompt).
+
+    `stop`: a string or strings stop on text, token ids on those tokens
+    (`stop_token_ids`); None keeps the EOS stop. `[]` (no EOS stop) is refused, as are the
+    features we do not serve (top-k of sampled tokens, target / alternative prompt tokens,
+    `prompt_logprobs_last_n`, stability info), each naming its field."""
+    if not isinstance(req, Mapping):
+        raise TinkerInputError("prompt", "the request must be an object")
+    known = {"prompt", "num_samples", "sampling_params", "prompt_logprobs", "topk_prompt_logprobs"}
+    for key in req:
+        if key not in known and key not in _SAMPLE_ROUTING and key not in _SAMPLE_OFF:
+            raise TinkerInputError(key, "is not a SampleRequest field")
+    for key, off in _SAMPLE_OFF.items():
+        if req.get(key) not in (off, None, False):
+            raise TinkerInputError(key, "is not supported by this worker")
+    tokens = token_ids(req.get("prompt"), "prompt")
+    num_samples = integer(req.get("num_samples", 1), "num_samples")
+    if num_samples < 1:
+        raise TinkerInputError("num_samples", "must be at least 1")
+    topk = integer(req.get("topk_prompt_logprobs") or 0, "topk_prompt_logprobs")
+    if not 0 <= topk <= 20:
+        raise TinkerInputError("topk_prompt_logprobs", "must be in [0, 20]")
+    return {
+        "model_inputs": [{"chunks": [{"encoded_text": {"tokens": tokens}}]}],
+        "num_samples": num_samples,
+        "sampling_params": _sampling_params(req.get("sampling_params")),
+        "prompt_logprobs": bool(req.get("prompt_logprobs")),
+        "topk_prompt_logprobs": topk,
+    }
+
+
+def _sampling_params(raw: Any) -> dict[str, Any]:
+    where = "sampling_params"
+    if not isinstance(raw, Mapping):
+        raise TinkerInputError(where, "must be an object")
+    for key in raw:
+        if key not in (*_SAMPLING_KEYS, "stop"):
+            raise TinkerInputError(f"{where}.{key}", "is not a SamplingParams field")
+    out: dict[str, Any] = {}
+    for key in ("max_tokens", "seed", "top_k"):
+        if raw.get(key) is not None:
+            out[key] = integer(raw[key], f"{where}.{key}")
+    for key in ("temperature", "top_p"):
+        if raw.get(key) is not None:
+            out[key] = number(raw[key], f"{where}.{key}")
+    if out.get("max_tokens", 1) < 1:
+        raise TinkerInputError(f"{where}.max_tokens", "must be at least 1")
+    if out.get("top_k", -1) < -1 or out.get("top_k") == 0:
+        raise TinkerInputError(f"{where}.top_k", "must be -1 (no limit) or at least 1")
+    if not 0.0 < out.get("top_p", 1.0) <= 1.0:
+        raise TinkerInputError(f"{where}.top_p", "must be in (0, 1]")
+    if out.get("temperature", 1.0) < 0.0:
+        raise TinkerInputError(f"{where}.temperature", "must be >= 0")
+    stop = raw.get("stop")
+    if isinstance(stop, str):
+        out["stop"] = [stop]
+    elif isinstance(stop, list):
+        if not stop:
+            raise TinkerInputError(
+                f"{where}.stop",
+                "[] (no stop at all, not even EOS) is not supported; omit stop to stop at EOS",
+            )
+        if all(isinstance(s, str) for s in stop):
+            out["stop"] = list(stop)
+        else:
+            ids = [integer(s, f"{where}.stop[{i}]") for i, s in enumerate(stop)]
+            if min(ids) < 0:
+                raise TinkerInputError(f"{where}.stop", "token ids must be >= 0")
+            out["stop_token_ids"] = ids
+    elif stop is not None:
+        raise TinkerInputError(f"{where}.stop", "must be a string, strings or token ids")
+    return out
+
+
+_STOP_REASONS = {"STOP_REASON_STOP": "stop", "STOP_REASON_LENGTH": "length"}
+
+
+def sample_output(result: dict[str, Any]) -> dict[str, Any]:
+    """Our sample result (one prompt) -> the shape `proto.encode_sample_response` takes.
+
+    Prompt logprobs align as Tinker's: entry 0 (the first prompt token has no context) is None,
+    entry i the logprob of prompt token i; top-k rows likewise, as (token id, logprob) pairs."""
+    (group,) = result["results"]
+    sequences = [
+        {
+            "tokens": [int(t) for t in seq["tokens"]],
+            "logprobs": seq.get("logprobs"),
+            "stop_reason": _STOP_REASONS[seq["stop_reason"]],
+        }
+        for seq in group["sequences"]
+    ]
+    prompt_logprobs = group.get("prompt_logprobs")
+    topk = group.get("topk_prompt_logprobs")
+    return {
+        "sequences": sequences,
+        "prompt_logprobs": None
+        if prompt_logprobs is None
+        else [None, *(float(v) for v in prompt_logprobs[1:])],
+        "topk_prompt_logprobs": None
+        if topk is None
+        else [
+            None,
+            *(
+                [(int(t), float(v)) for t, v in zip(row["token_ids"], row["logprobs"], strict=True)]
+                for row in topk[1:]
+            ),
+        ],
+        "prompt_cache_hit_tokens": 0,
+    }

@@ -1,0 +1,95 @@
+"""The pieces of a Tinker request every conversion reads: numbers, token lists and tensors,
+checked with a `TinkerInputError` that names the Tinker field (`trainer.api.tinker.convert`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+
+class TinkerInputError(ValueError):
+    """A Tinker request we cannot serve; `field` names the Tinker field, and so does the text."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def number(value: Any, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TinkerInputError(field, f"must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise TinkerInputError(field, "must be finite")
+    return float(value)
+
+
+def integer(value: Any, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TinkerInputError(field, f"must be an integer, got {value!r}")
+    return int(value)
+
+
+def token_ids(model_input: Any, field: str) -> list[int]:
+    """A Tinker `ModelInput` (`{"chunks": [...]}`) as its token ids; only text chunks."""
+    if not isinstance(model_input, Mapping) or not isinstance(model_input.get("chunks"), list):
+        raise TinkerInputError(field, "must be an object with a list of chunks")
+    tokens: list[int] = []
+    for j, chunk in enumerate(model_input["chunks"]):
+        where = f"{field}.chunks[{j}]"
+        if not isinstance(chunk, Mapping):
+            raise TinkerInputError(where, "must be an object")
+        kind = chunk.get("type", "encoded_text")
+        if kind != "encoded_text":
+            raise TinkerInputError(
+                where, f"{kind!r} chunks are not supported (this worker serves text models)"
+            )
+        ids = chunk.get("tokens")
+        if not isinstance(ids, list | np.ndarray):
+            raise TinkerInputError(f"{where}.tokens", "must be a list of token ids")
+        try:
+            array = np.asarray(ids)
+        except (TypeError, ValueError):
+            raise TinkerInputError(f"{where}.tokens", "must be a list of token ids") from None
+        if array.size and (array.ndim != 1 or array.dtype.kind not in "iu"):
+            raise TinkerInputError(f"{where}.tokens", "must be a flat list of integer token ids")
+        bad = np.flatnonzero(array < 0) if array.size else array
+        if bad.size:
+            k = int(bad[0])
+            raise TinkerInputError(f"{where}.tokens[{k}]", f"negative token id {int(array[k])}")
+        tokens.extend(array.astype(np.int64).tolist())
+    if not tokens:
+        raise TinkerInputError(field, "has no tokens")
+    return tokens
+
+
+def tensor_values(tensor: Any, field: str, length: int) -> np.ndarray:
+    """A Tinker `TensorData` (`{"data", "dtype", "shape"}`) as a 1-D int64/float64 array of
+    `length` values (the datum's token count)."""
+    if not isinstance(tensor, Mapping) or "data" not in tensor:
+        raise TinkerInputError(field, "must be a tensor object with data and dtype")
+    if tensor.get("sparse_crow_indices") is not None or tensor.get("sparse_col_indices"):
+        raise TinkerInputError(field, "sparse tensors are only accepted in the protobuf body")
+    dtype = tensor.get("dtype")
+    if dtype not in ("float32", "int64"):
+        raise TinkerInputError(f"{field}.dtype", f"must be float32 or int64, got {dtype!r}")
+    shape = tensor.get("shape")
+    try:
+        values = np.asarray(tensor["data"], dtype=np.float64)
+    except (TypeError, ValueError, OverflowError):
+        raise TinkerInputError(f"{field}.data", "must be a flat list of numbers") from None
+    if values.ndim != 1:
+        raise TinkerInputError(f"{field}.data", "must be a flat list of numbers")
+    if shape is not None and (not isinstance(shape, list) or shape != [values.size]):
+        raise TinkerInputError(
+            f"{field}.shape",
+            f"must be [{values.size}] (one value per token, 1-D), got {str(shape)[:100]}",
+        )
+    if values.size != length:
+        raise TinkerInputError(field, f"has {values.size} values for {length} model_input tokens")
+    bad = np.flatnonzero(~np.isfinite(values))
+    if bad.size:
+        raise TinkerInputError(f"{field}.data[{int(bad[0])}]", "is not finite")
+    return values
