@@ -189,6 +189,12 @@ def test_ids_never_leave_the_storage_directory(limited: Any, tmp_path: Path) -> 
                     for other in names:
                         path = path.replace(f"{{{other}}}", bad if other == name else sid)
                     response = raw.request(method, path, content=b"{}")
+                    sent = response.request.url.raw_path.decode().split("?")[0]
+                    if sent != path and response.status_code == 200:
+                        # the client resolved a literal `..` segment itself: another route
+                        # (`/api/v1/training_runs/../checkpoints` is `/api/v1/checkpoints`)
+                        assert "7f3a-outside-storage" not in response.text
+                        continue
                     assert response.status_code in (400, 403, 404, 405), (path, response.text)
                     if response.status_code == 400:
                         assert response.json()["error"]["param"] in names, response.text

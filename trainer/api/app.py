@@ -22,6 +22,8 @@ from trainer.api.auth import BearerAuth
 from trainer.api.errors import ApiError, install_handlers
 from trainer.api.ids import check_path_ids
 from trainer.api.signing import UrlSigner
+from trainer.api.tinker.bridge import TinkerBridge
+from trainer.api.tinker.face import install as install_tinker
 from trainer.api.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,8 @@ class DoubleVersionPrefix:
 
 
 CONTROL_BODY_MAX = 1 << 20
+# Tinker POSTs that carry data, streamed under `max_body_bytes` by their routes
+STREAMED_POSTS = ("/api/v1/forward_backward", "/api/v1/asample", "/api/v1/optim_step")
 
 
 class ControlBodyLimit:
@@ -65,7 +69,12 @@ class ControlBodyLimit:
         self.limit = limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or "/operations/" in scope["path"]:
+        if (
+            scope["type"] != "http"
+            or scope["method"] != "POST"
+            or "/operations/" in scope["path"]
+            or scope["path"] in STREAMED_POSTS
+        ):
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
@@ -102,11 +111,13 @@ class ControlBodyLimit:
         await error.response()(scope, receive, send)
 
 
-async def _sweep_forever(worker: Worker) -> None:
-    """Stop resources idle past their `expires_at` (checked every `expiry_check_s`)."""
+async def _sweep_forever(worker: Worker, tinker: TinkerBridge) -> None:
+    """Stop resources idle past their `expires_at`, and Tinker sessions whose heartbeats
+    stopped (checked every `expiry_check_s`)."""
     while True:
         await asyncio.sleep(worker.config.expiry_check_s)
         await run_in_threadpool(worker.sweep, time.time())
+        await run_in_threadpool(tinker.sweep, time.time())
 
 
 def create_app(worker: Worker, token: str | None) -> FastAPI:
@@ -114,7 +125,7 @@ def create_app(worker: Worker, token: str | None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        sweeper = asyncio.create_task(_sweep_forever(worker))
+        sweeper = asyncio.create_task(_sweep_forever(worker, tinker))
         try:
             yield
         finally:
@@ -122,6 +133,7 @@ def create_app(worker: Worker, token: str | None) -> FastAPI:
             grace = worker.config.shutdown_grace_s
             log.info("shutting down: draining operations (grace %.0fs)", grace)
             await run_in_threadpool(worker.shutdown, grace)
+            tinker.close()
 
     # No open /openapi.json or /docs: the schema is served at /v1/openapi.json behind the token.
     app = FastAPI(
@@ -143,6 +155,8 @@ def create_app(worker: Worker, token: str | None) -> FastAPI:
     files = [Depends(check_path_ids)]
     app.include_router(routes_resources.files_router, dependencies=files)
     app.include_router(routes_sessions.files_router, dependencies=files)
+
+    tinker = install_tinker(app, worker, token)
 
     @app.get("/v1/openapi.json", include_in_schema=False, dependencies=auth)
     async def openapi() -> dict[str, Any]:

@@ -43,7 +43,9 @@ def _entry(worker: Worker, session_id: str) -> ModelEntry:
     return entry
 
 
-def _prepare(worker: Worker, session_id: str, spec: Operation, body: dict[str, Any]) -> EngineCall:
+def prepare_call(
+    worker: Worker, session_id: str, spec: Operation, body: dict[str, Any]
+) -> EngineCall:
     """Merge an uploaded payload, validate, check limits (blocking: runs in a thread)."""
     payload_id = body.get("payload_id")
     if payload_id is not None:
@@ -95,7 +97,7 @@ async def create_operation(request: Request, session_id: str, spec: Operation) -
     digest = await run_in_threadpool(body_hash, kind, body)
     existing = worker.op_by_key(session_id, key)
     if existing is None:
-        call = await run_in_threadpool(_prepare, worker, session_id, spec, body)
+        call = await run_in_threadpool(prepare_call, worker, session_id, spec, body)
         existing = worker.op_by_key(session_id, key)  # a concurrent retry may have won
     if existing is not None:
         if existing.body_hash != digest:

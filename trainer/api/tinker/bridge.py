@@ -1,0 +1,253 @@
+"""The Tinker face's way into the engine: resources, sessions and operations of the worker.
+
+A Tinker model is a training session on a LoRA resource for its base model, created on demand
+from the catalogue (one shared resource per base model, reused by every Tinker model and
+sampler). Each model and each sampling session has a dispatcher: one thread that takes that
+owner's requests in arrival order (the SDK submits a model's requests one at a time, in
+`seq_id` order) and runs each to the end: the engine operation queued with `Worker.submit`,
+waited for, its result translated and stored on the request's future. `load_state` swaps the
+model onto a new session between two requests, so what follows it runs on the loaded weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from trainer.api.errors import ApiError, bad_request
+from trainer.api.operations import OPERATIONS
+from trainer.api.requests import CreateSessionBody
+from trainer.api.routes_ops import prepare_call
+from trainer.api.store import (
+    OP_COMPLETED,
+    RES_READY,
+    SES_RUNNING,
+)
+from trainer.api.tinker.store import (
+    DONE,
+    FAILED,
+    PENDING,
+    TinkerFuture,
+    TinkerModel,
+    TinkerSession,
+    TinkerStore,
+)
+from trainer.api.tinker.waiters import Waiters
+from trainer.api.worker import EngineCall, Worker
+from trainer.errors import OperationError
+from trainer.specs import ModelEntry, ResourceSpec
+
+log = logging.getLogger(__name__)
+
+USER_CODES = ("INVALID_INPUT", "NON_FINITE_LOSS")
+RESOURCE_IDLE_S = 86400  # Tinker resources live as long as the catalogue allows when idle
+SESSION_TIMEOUT_S = 600.0  # the SDK heartbeats every 10 s; silence this long ends a session
+FUTURE_TTL_S = 6 * 3600.0  # settled futures are kept this long for their clients to fetch
+
+
+class RequestFailed(Exception):
+    """A request's failure as the SDK reads it: a message and a category (user or server)."""
+
+    def __init__(self, message: str, category: str = "user") -> None:
+        super().__init__(message)
+        self.message = message
+        self.category = category
+
+
+class TinkerBridge:
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.db = TinkerStore(worker.config.storage / "tinker.sqlite")
+        failed = self.db.recover()
+        if failed:
+            log.info("tinker: %d requests pending at the last stop failed cleanly", failed)
+        self.waiters = Waiters()
+        self._dispatchers: dict[str, ThreadPoolExecutor] = {}
+        self._lock = threading.Lock()
+        self._resource_lock = threading.Lock()
+        self._resources: dict[str, str] = {}  # base model -> the resource this face made
+
+    # -- futures ---------------------------------------------------------------------------
+
+    def future(self, owner: str, kind: str, idem_key: str | None) -> tuple[TinkerFuture, bool]:
+        """A new pending future, or the one this idempotency key already made (False)."""
+        if idem_key:
+            existing = self.db.future_by_key(idem_key)
+            if existing is not None:
+                return existing, False
+        now = time.time()
+        row = TinkerFuture(
+            id=f"req_{uuid.uuid4().hex}",
+            model_id=owner,
+            kind=kind,
+            status=PENDING,
+            created_at=now,
+            updated_at=now,
+            idem_key=idem_key or None,
+        )
+        try:
+            self.db.insert(row)
+        except Exception:  # a concurrent retry with the same key won the insert
+            existing = self.db.future_by_key(idem_key or "")
+            if existing is None:
+                raise
+            return existing, False
+        return row, True
+
+    def finish(self, request_id: str, result: dict[str, Any]) -> None:
+        self.db.update(TinkerFuture, request_id, status=DONE, result=result, updated_at=time.time())
+        self.waiters.notify(request_id)
+
+    def fail(self, request_id: str, message: str, category: str) -> None:
+        self.db.update(
+            TinkerFuture,
+            request_id,
+            status=FAILED,
+            error=message,
+            category=category,
+            updated_at=time.time(),
+        )
+        self.waiters.notify(request_id)
+
+    def dispatch(self, owner: str, request_id: str, work: Callable[[], dict[str, Any]]) -> None:
+        """Run `work` after the owner's earlier requests; its result or failure completes the
+        future (an unexpected error is a server-category failure, never a lost future)."""
+
+        def run() -> None:
+            try:
+                result = work()
+            except RequestFailed as exc:
+                self.fail(request_id, exc.message, exc.category)
+            except ApiError as exc:
+                self.fail(request_id, exc.message, "user" if exc.status < 500 else "server")
+            except OperationError as exc:
+                category = "user" if exc.code in USER_CODES else "server"
+                self.fail(request_id, f"{exc.code}: {exc.message}", category)
+            except Exception as exc:
+                log.exception("tinker request %s crashed", request_id)
+                self.fail(request_id, f"internal error: {type(exc).__name__}: {exc}", "server")
+            else:
+                self.finish(request_id, result)
+
+        with self._lock:
+            pool = self._dispatchers.get(owner)
+            if pool is None:
+                pool = ThreadPoolExecutor(1, thread_name_prefix=f"tinker-{owner[-24:]}")
+                self._dispatchers[owner] = pool
+        pool.submit(run)
+
+    def sweep(self, now: float) -> list[str]:
+        """End the Tinker sessions whose heartbeats stopped (their models' and samplers' engine
+        sessions close; their checkpoints stay), and forget long-settled futures."""
+        ended = self.db.select(
+            TinkerSession, "ended_at IS NULL AND heartbeat_at < ?", (now - SESSION_TIMEOUT_S,)
+        )
+        for session in ended:
+            log.info(
+                "tinker session %s ended: no heartbeat for %.0fs", session.id, SESSION_TIMEOUT_S
+            )
+            self.db.update(TinkerSession, session.id, ended_at=now)
+            for model in self.db.select(TinkerModel, "tinker_session = ?", (session.id,)):
+                self.stop_session(model.session_id)
+        self.db.prune(now - FUTURE_TTL_S)
+        return [s.id for s in ended]
+
+    def close(self) -> None:
+        with self._lock:
+            pools = list(self._dispatchers.values())
+            self._dispatchers.clear()
+        for pool in pools:
+            pool.shutdown(wait=False, cancel_futures=True)
+        self.db.close()
+
+    # -- the catalogue, resources and sessions --------------------------------------------
+
+    def entry(self, base_model: str, field: str = "base_model") -> ModelEntry:
+        entry = self.worker.config.model(base_model)
+        if entry is None:
+            served = [m.name for m in self.worker.config.models]
+            raise bad_request(
+                f"{field}: {base_model!r} is not served by this worker; supported: {served}",
+                field,
+            )
+        return entry
+
+    def resource_for(self, base_model: str) -> str:
+        """The Tinker face's READY LoRA resource (AdamW, one generator) for `base_model`: the
+        one it made before, else a new one (blocking while it loads). Resources made through
+        the RL session API are never borrowed: their owners may stop or reconfigure them."""
+        with self._resource_lock:
+            resource_id = self._resources.get(base_model)
+            live = self.worker.resources.get_live(resource_id) if resource_id else None
+            if live is None or live.stopped:
+                spec = ResourceSpec(
+                    base_model=base_model, lora_enabled=True, inactive_timeout=RESOURCE_IDLE_S
+                )
+                resource_id = self.worker.create_resource(spec).id
+                self._resources[base_model] = resource_id
+        assert resource_id is not None
+        loaded = self.worker.resource_loaded(resource_id)
+        if loaded is not None:
+            loaded.result()
+        row = self.worker.resource(resource_id)
+        if row.status != RES_READY:
+            error = (row.error or {}).get("message", row.status)
+            raise RequestFailed(f"loading base model {base_model!r} failed: {error}", "server")
+        return resource_id
+
+    def open_session(self, resource_id: str, spec: dict[str, Any], field: str) -> str:
+        """A RUNNING training session on `resource_id` (blocking while it opens)."""
+        body = CreateSessionBody.model_validate({**spec, "model_resources_id": resource_id})
+        session_id, future = self.worker.create_session(body)
+        try:
+            row = future.result()
+        except OperationError as exc:
+            category = "user" if exc.code in USER_CODES else "server"
+            raise RequestFailed(f"{field}: {exc.message}", category) from None
+        if row.status != SES_RUNNING:
+            message = (row.error or {}).get("message", row.status)
+            raise RequestFailed(f"{field}: opening the session failed: {message}", "server")
+        return session_id
+
+    def stop_session(self, session_id: str) -> None:
+        with contextlib.suppress(ApiError):
+            self.worker.stop_session(session_id)
+
+    # -- operations ------------------------------------------------------------------------
+
+    def prepare(self, session_id: str, kind: str, body: dict[str, Any]) -> EngineCall:
+        """Validate an operation body against the model's limits (a 400 naming the field)."""
+        return prepare_call(self.worker, session_id, OPERATIONS[kind], body)
+
+    def run(
+        self, model: TinkerModel | str, kind: str, call: EngineCall, key: str
+    ) -> dict[str, Any]:
+        """Queue `call` on the model's session now and wait for its output."""
+        session_id = model if isinstance(model, str) else self.current_session(model.id)
+        row = self.worker.submit(session_id, kind, f"tinker:{key}", key, call)
+        done = self.worker.oplog.futures.get(row.id)
+        if done is not None:
+            done.result()
+        row = self.worker.find_operation(session_id, kind, row.id)
+        if row.status != OP_COMPLETED:
+            error = row.error or {}
+            code = str(error.get("code", "")).removeprefix("TRAINING_OPERATION_ERROR_CODE_")
+            category = "user" if code in USER_CODES else "server"
+            raise RequestFailed(f"{code}: {error.get('message', 'failed')}", category)
+        output = dict(row.output or {})
+        payload_id = output.pop("payload_id", None)
+        if payload_id is not None:
+            output.update(self.worker.payloads.read_json(session_id, payload_id))
+        return output
+
+    def current_session(self, model_id: str) -> str:
+        model = self.db.get(TinkerModel, model_id)
+        if model is None:
+            raise RequestFailed(f"model_id: no model {model_id!r}")
+        return model.session_id

@@ -1,0 +1,138 @@
+"""Mount the Tinker API under `/api/v1` of the worker's app: the auth, the routers, and a
+clear answer for every route the SDK knows that this worker does not serve."""
+
+from __future__ import annotations
+
+import hmac
+import re
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+
+from trainer.api.errors import ApiError, bad_request
+from trainer.api.tinker import routes, routes_runs, routes_train, sampling
+from trainer.api.tinker.bridge import TinkerBridge
+from trainer.api.worker import Worker
+
+PREFIX = "/api/v1"
+KEY_PREFIX = "tml-"
+# Routes of the tinker SDK this worker does not serve: a 400 naming the route, not a bare 404.
+# Not 501: the SDK's `execute_with_retries` retries every 5xx for five minutes (whatever
+# `x-should-retry` says), so a 501 would hang the client; a 4xx fails its call at once.
+NOT_SERVED_STATUS = 400
+NOT_SERVED = {
+    "auth/token": "credentials are the worker's token; no token exchange",
+    "copy_weights": "checkpoints stay on this worker",
+    "create_custom_loss": "custom losses run client-side (custom_loss_server_side false)",
+    "join_sampling_session": "sample_join_sampling_session is false in client/config",
+    "cancel_future": "sample_cancel_enabled is false in client/dynamic_config",
+    "audit": "no audit log",
+    "billing": "no billing",
+    "whoami": "no accounts: one token",
+    "sessions/search": "list sessions with GET /api/v1/sessions",
+}
+SESSION_NOT_SERVED = ("/project", "/trace_export")
+
+
+class TinkerAuth:
+    """The worker's token as the SDK sends it: `X-API-Key`, or a bearer token. The SDK refuses
+    keys without its `tml-` prefix, so `tml-<token>` is accepted too (both constant-time)."""
+
+    def __init__(self, token: str | None) -> None:
+        self._keys = None if token is None else (token.encode(), f"{KEY_PREFIX}{token}".encode())
+
+    async def __call__(self, request: Request) -> None:
+        if self._keys is None:
+            return
+        given = request.headers.get("x-api-key", "")
+        if not given:
+            scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
+            given = bearer if scheme.lower() == "bearer" else ""
+        if not given:
+            raise ApiError(
+                401, "missing API key: send X-API-Key (TINKER_API_KEY)", code="invalid_api_key"
+            )
+        candidate = given.strip().encode()
+        matches = [hmac.compare_digest(candidate, key) for key in self._keys]
+        if not any(matches):
+            raise ApiError(401, "invalid API key", code="invalid_api_key")
+
+
+TINKER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_:-]{0,255}$")
+"""Tinker ids: our safe ids plus ':' (`<session>:train:<seq>`); no '/', '.', or '..'."""
+
+
+async def check_tinker_ids(request: Request) -> None:
+    """Refuse (400 naming it) a path parameter outside the Tinker id alphabet; a checkpoint id
+    is `<weights|sampler_weights|external_weights>/<name>`, each part a safe id."""
+    for name, value in request.path_params.items():
+        if name == "route":
+            continue
+        parts = value.split("/") if name == "checkpoint_id" else [value]
+        good = len(parts) == (2 if name == "checkpoint_id" else 1) and all(
+            isinstance(p, str) and TINKER_ID.fullmatch(p) for p in parts
+        )
+        if not good:
+            raise bad_request(
+                f"{name}: {value[:200]!r} is not a valid id (letters, digits, '_', '-', ':'; "
+                "a checkpoint id is <weights|sampler_weights|external_weights>/<name>)",
+                name,
+                "invalid_id",
+            )
+
+
+fallback = APIRouter()
+ROUTE_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+
+
+@fallback.api_route("", methods=ROUTE_METHODS, include_in_schema=False)
+@fallback.api_route("/", methods=ROUTE_METHODS, include_in_schema=False)
+async def no_route() -> None:
+    raise ApiError(
+        404,
+        f"route: {PREFIX} alone names no route of the Tinker API",
+        code="not_found",
+        param="route",
+    )
+
+
+@fallback.api_route("/{route:path}", methods=ROUTE_METHODS, include_in_schema=False)
+async def not_served(route: str) -> None:
+    for known, why in NOT_SERVED.items():
+        if route == known or route.startswith(f"{known}/"):
+            raise ApiError(
+                NOT_SERVED_STATUS,
+                f"route {PREFIX}/{route}: not served by this worker ({why})",
+                code="not_implemented",
+                param="route",
+            )
+    if route.startswith("sessions/") and route.endswith(SESSION_NOT_SERVED):
+        raise ApiError(
+            NOT_SERVED_STATUS,
+            f"route {PREFIX}/{route}: not served (sessions have no projects or traces)",
+            code="not_implemented",
+            param="route",
+        )
+    if route.endswith(("/publish", "/ttl")):
+        raise ApiError(
+            NOT_SERVED_STATUS,
+            f"route {PREFIX}/{route}: not served by this worker (checkpoints are private to it)",
+            code="not_implemented",
+            param="route",
+        )
+    raise ApiError(
+        404,
+        f"route {PREFIX}/{route}: no such route in the Tinker API this worker serves",
+        code="not_found",
+        param="route",
+    )
+
+
+def install(app: FastAPI, worker: Worker, token: str | None) -> TinkerBridge:
+    bridge = TinkerBridge(worker)
+    app.state.tinker = bridge
+    app.state.tinker_samplers = sampling.SamplerSessions(bridge)
+    auth = [Depends(TinkerAuth(token)), Depends(check_tinker_ids)]
+    for module in (routes, routes_train, sampling, routes_runs):
+        app.include_router(module.router, prefix=PREFIX, dependencies=auth)
+    app.include_router(fallback, prefix=PREFIX, dependencies=auth)
+    return bridge

@@ -1,0 +1,68 @@
+"""`tinker://<run>/<weights|sampler_weights>/<name>` paths and the checkpoints they name.
+
+A checkpoint saved through the Tinker API is recorded under its path (`save_weights` ->
+`weights/<name>`, a training checkpoint; `save_weights_for_sampler` -> `sampler_weights/<name>`,
+an inference checkpoint; `save_weights_external` -> `external_weights/<name>`, an inference
+checkpoint too, whose PEFT adapter files download through signed URLs). A checkpoint saved
+through the RL session API has the path
+`tinker://<training session id>/<segment>/<checkpoint id>`, so either face resumes, lists and
+downloads what the other saved.
+"""
+
+from __future__ import annotations
+
+from trainer.api.errors import ApiError, bad_request, not_found
+from trainer.api.tinker.bridge import TinkerBridge
+from trainer.api.tinker.store import TinkerCheckpoint
+from trainer.checkpoints import INFERENCE, TRAINING, CheckpointRecord
+
+SEGMENTS = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}
+KINDS = {segment: kind for kind, segment in SEGMENTS.items()}
+ENGINE_TYPES = {"training": TRAINING, "sampler": INFERENCE, "external": INFERENCE}
+PREFIX = "tinker://"
+
+
+def make(run_id: str, kind: str, name: str) -> str:
+    return f"{PREFIX}{run_id}/{SEGMENTS[kind]}/{name}"
+
+
+def parse(path: str, field: str) -> tuple[str, str, str]:
+    """(run id, kind, name) of a tinker path; a 400 naming `field` when it is not one."""
+    parts = path[len(PREFIX) :].split("/") if path.startswith(PREFIX) else []
+    if len(parts) != 3 or not parts[0] or not parts[2] or parts[1] not in KINDS:
+        raise bad_request(
+            f"{field}: {path!r} is not a tinker path (tinker://<run>/<weights|sampler_weights|"
+            "external_weights>/<name>)",
+            field,
+        )
+    return parts[0], KINDS[parts[1]], parts[2]
+
+
+def check_name(name: str, field: str) -> str:
+    if not name or "/" in name or name in (".", "..") or len(name) > 200:
+        raise bad_request(
+            f"{field}: {name!r} is not a checkpoint name (no '/', 1-200 chars)", field
+        )
+    return name
+
+
+def resolve(bridge: TinkerBridge, path: str, field: str) -> CheckpointRecord:
+    """The engine checkpoint a tinker path names (404 when it names none)."""
+    run_id, kind, name = parse(path, field)
+    saved = bridge.db.get(TinkerCheckpoint, path)
+    checkpoint_id = saved.checkpoint_id if saved is not None else name
+    record = bridge.worker.checkpoints.get(checkpoint_id)
+    if record is None or (saved is None and record.session_id != run_id):
+        raise not_found("checkpoint", path, field)
+    if record.type != ENGINE_TYPES[kind]:
+        raise ApiError(400, f"{field}: {path!r} names a checkpoint of another kind", param=field)
+    return record
+
+
+def path_of(bridge: TinkerBridge, record: CheckpointRecord) -> str:
+    """The tinker path of an engine checkpoint (its Tinker name when saved through Tinker)."""
+    rows = bridge.db.select(TinkerCheckpoint, "checkpoint_id = ?", (record.id,))
+    if rows:
+        return rows[0].path
+    kind = "training" if record.type == TRAINING else "sampler"
+    return make(record.session_id, kind, record.id)

@@ -1,0 +1,346 @@
+"""The Tinker REST API's service routes: health, capabilities, client config, sessions and
+heartbeats, models (`create_model`, `get_info`, `weights_info`), and the futures protocol
+(`retrieve_future`). Training, sampling and checkpoint routes are in the sibling modules.
+
+Every `/api/v1/...` route needs the worker's token as `X-API-Key` (the SDK's header) or as a
+bearer token (`trainer.api.tinker.auth`). Requests that run on the engine answer a future at
+once (`{"request_id": ...}`); the SDK polls `retrieve_future`, which waits up to `LONG_POLL_S`
+for the result and otherwise answers `try_again`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from trainer.api.errors import ApiError, from_pydantic, not_found
+from trainer.api.route_helpers import json_object
+from trainer.api.tinker import convert, paths, proto
+from trainer.api.tinker.bridge import TinkerBridge
+from trainer.api.tinker.store import DONE, FAILED, TinkerFuture, TinkerModel, TinkerSession
+from trainer.api.tinker.wire import (
+    CreateModel,
+    CreateSession,
+    ModelRef,
+    RetrieveFuture,
+    SessionRef,
+    WeightsInfo,
+)
+
+router = APIRouter()
+CONTROL_BODY_MAX = 1 << 20  # the JSON bodies of this face carry a few fields
+LONG_POLL_S = 10.0
+LORA_ALPHA = 32  # Tinker's LoRA scale convention (alpha 32 whatever the rank); docs/decisions.md
+PROTO_RESULTS = ("ForwardBackward", "Forward", "Sample")
+
+
+def bridge_of(request: Request) -> TinkerBridge:
+    bridge: TinkerBridge = request.app.state.tinker
+    return bridge
+
+
+async def parse(request: Request, model: type[BaseModel], limit: int = CONTROL_BODY_MAX) -> Any:
+    body = await json_object(request, limit)
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise from_pydantic(exc) from None
+
+
+def input_error(exc: convert.TinkerInputError) -> ApiError:
+    return ApiError(400, str(exc), param=exc.field, code="invalid_input")
+
+
+def future_json(request_id: str, model_id: str | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"request_id": request_id}
+    if model_id is not None:
+        out["model_id"] = model_id
+    return out
+
+
+def idem_key(request: Request, *parts: Any) -> str | None:
+    """The SDK reuses `X-Idempotency-Key` across its retries of one request; a request's own
+    ids (model, seq_id) make the key when the header is absent. Without either (no seq_id),
+    none: every such request runs (two seq-less optim steps are two steps)."""
+    header = request.headers.get("x-idempotency-key", "").strip()[:256]
+    if header:
+        return f"{request.url.path}|{header}"
+    if any(part is None for part in parts):
+        return None
+    return "|".join(str(p) for p in parts)
+
+
+# -- service -------------------------------------------------------------------------------
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/get_server_capabilities")
+async def capabilities(request: Request) -> dict[str, Any]:
+    models = bridge_of(request).worker.config.models
+    return {
+        "supported_models": [
+            {
+                "model_name": m.name,
+                "max_context_length": m.max_seq_length,
+                "trainable": True,
+                "sampleable": True,
+            }
+            for m in models
+        ]
+    }
+
+
+@router.post("/client/config")
+async def client_config(request: Request) -> dict[str, Any]:
+    """The SDK's feature flags: requests of a model go one at a time in `seq_id` order
+    (no parallel chunks), uncompressed, over httpx; custom losses run client-side."""
+    worker = bridge_of(request).worker
+    chunk = min((m.max_batch_size for m in worker.config.models), default=256)
+    return {
+        "pjwt_auth_enabled": False,
+        "parallel_fwdbwd_chunks": False,
+        "proto_compress_fwdbwd": False,
+        "use_pyqwest_transport": False,
+        "sample_use_retrieve_futures": False,
+        "custom_loss_server_side": False,
+        "sample_join_sampling_session": False,
+        "fwdbwd_max_chunk_len": chunk,
+        "fwdbwd_max_chunk_bytes_count": worker.config.max_body_bytes // 2,
+    }
+
+
+@router.post("/client/dynamic_config")
+async def client_dynamic_config() -> dict[str, Any]:
+    return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+
+@router.post("/telemetry")
+async def telemetry() -> dict[str, str]:
+    """Accepted and dropped: the worker keeps no client telemetry."""
+    return {"status": "accepted"}
+
+
+@router.post("/create_session")
+async def create_session(request: Request) -> dict[str, Any]:
+    body: CreateSession = await parse(request, CreateSession)
+    now = time.time()
+    session = TinkerSession(
+        id=f"session_{uuid.uuid4().hex}",
+        created_at=now,
+        heartbeat_at=now,
+        display_name=body.display_name,
+        user_metadata=dict(body.user_metadata or {}),
+    )
+    await run_in_threadpool(bridge_of(request).db.insert, session)
+    return {"type": "create_session", "session_id": session.id}
+
+
+@router.post("/session_heartbeat")
+async def session_heartbeat(request: Request) -> dict[str, Any]:
+    body: SessionRef = await parse(request, SessionRef)
+    bridge = bridge_of(request)
+    session = bridge.db.get(TinkerSession, body.session_id)
+    if session is None:
+        raise not_found("session", body.session_id, "session_id")
+    if session.ended_at is not None:  # the SDK stops heartbeating on a 410
+        raise ApiError(
+            410,
+            f"session_id: session {body.session_id} ended after its heartbeats stopped",
+            param="session_id",
+            code="session_ended",
+        )
+    bridge.db.update(TinkerSession, body.session_id, heartbeat_at=time.time())
+    for model in bridge.db.select(TinkerModel, "tinker_session = ?", (body.session_id,)):
+        bridge.worker.resources.touch(model.resource_id)
+    return {"type": "session_heartbeat"}
+
+
+@router.post("/sessions/{session_id}/finish")
+async def finish_session(request: Request, session_id: str) -> dict[str, Any]:
+    """The SDK's `ServiceClient.close()` (and its `with` exit): acknowledged; the session's
+    models stay until its heartbeats stop. Unknown session: a 404 naming `session_id`."""
+    if bridge_of(request).db.get(TinkerSession, session_id) is None:
+        raise not_found("session", session_id, "session_id")
+    return {}
+
+
+# -- models --------------------------------------------------------------------------------
+
+
+@router.post("/create_model")
+async def create_model(request: Request) -> dict[str, Any]:
+    body: CreateModel = await parse(request, CreateModel)
+    bridge = bridge_of(request)
+    if bridge.db.get(TinkerSession, body.session_id) is None:
+        raise not_found("session", body.session_id, "session_id")
+    entry = bridge.entry(body.base_model)
+    lora = body.lora_config
+    rank = lora.rank if lora is not None else min(32, entry.max_lora_rank)
+    if rank > entry.max_lora_rank:
+        raise ApiError(
+            400,
+            f"lora_config.rank: {rank} exceeds max_lora_rank {entry.max_lora_rank} of {entry.name}",
+            param="lora_config.rank",
+            code="invalid_input",
+        )
+    model_id = f"{body.session_id}:train:{body.model_seq_id}"
+    future, new = bridge.future(model_id, "CreateModel", f"create_model|{model_id}")
+    if not new:
+        return future_json(future.id, model_id)
+    lora_config = {
+        "rank": rank,
+        "alpha": LORA_ALPHA,
+        "seed": lora.seed if lora is not None else None,
+        "train_unembed": lora.train_unembed if lora is not None else True,
+    }
+
+    def work() -> dict[str, Any]:
+        resource_id = bridge.resource_for(entry.name)
+        session_id = bridge.open_session(
+            resource_id,
+            {"lora_config": lora_config, "display_name": f"tinker {model_id}"[:128]},
+            "create_model",
+        )
+        now = time.time()
+        bridge.db.insert(
+            TinkerModel(
+                id=model_id,
+                tinker_session=body.session_id,
+                base_model=entry.name,
+                session_id=session_id,
+                resource_id=resource_id,
+                lora_rank=rank,
+                created_at=now,
+                last_request_at=now,
+                lora_config=lora_config,
+                user_metadata=dict(body.user_metadata or {}),
+            ),
+            replace=True,
+        )
+        return {"model_id": model_id, "type": "create_model"}
+
+    bridge.dispatch(model_id, future.id, work)
+    return future_json(future.id, model_id)
+
+
+def model_info(bridge: TinkerBridge, model: TinkerModel) -> dict[str, Any]:
+    entry = bridge.worker.config.model(model.base_model)
+    tokenizer = (entry.tokenizer or entry.location) if entry is not None else model.base_model
+    arch = "unknown"
+    if entry is not None:
+        arch = entry.name.split("/")[-1].split("-")[0].lower()
+    return {
+        "type": "get_info",
+        "model_id": model.id,
+        "model_name": model.base_model,
+        "is_lora": True,
+        "lora_rank": model.lora_rank,
+        "optimizer_config": {"type": "adamw"},
+        "model_data": {"arch": arch, "model_name": model.base_model, "tokenizer_id": tokenizer},
+    }
+
+
+def get_model(bridge: TinkerBridge, model_id: str) -> TinkerModel:
+    model = bridge.db.get(TinkerModel, model_id)
+    if model is None:
+        raise not_found("model", model_id, "model_id")
+    return model
+
+
+@router.post("/get_info")
+async def get_info(request: Request) -> dict[str, Any]:
+    body: ModelRef = await parse(request, ModelRef)
+    bridge = bridge_of(request)
+    return model_info(bridge, get_model(bridge, body.model_id))
+
+
+@router.post("/weights_info")
+async def weights_info(request: Request) -> dict[str, Any]:
+    body: WeightsInfo = await parse(request, WeightsInfo)
+    bridge = bridge_of(request)
+    record = await run_in_threadpool(paths.resolve, bridge, body.tinker_path, "tinker_path")
+    return {
+        "base_model": record.base_model,
+        "optimizer_config": {"type": "adamw"},
+        "is_lora": record.lora_rank is not None,
+        "lora_rank": record.lora_rank,
+        "train_unembed": None,
+        "train_mlp": True,
+        "train_attn": True,
+    }
+
+
+# -- futures -------------------------------------------------------------------------------
+
+
+@router.post("/retrieve_future")
+async def retrieve_future(request: Request) -> Response:
+    body: RetrieveFuture = await parse(request, RetrieveFuture)
+    bridge = bridge_of(request)
+    request_id = body.request_id
+    row = bridge.db.get(TinkerFuture, request_id)
+    if row is None:
+        raise not_found("request", request_id, "request_id")
+
+    def settled() -> bool:
+        current = bridge.db.get(TinkerFuture, request_id)
+        return current is not None and current.status in (DONE, FAILED)
+
+    await bridge.waiters.wait(request_id, LONG_POLL_S, settled)
+    row = bridge.db.get(TinkerFuture, request_id)
+    assert row is not None
+    if row.status == FAILED:
+        return JSONResponse({"error": row.error or "failed", "category": row.category or "server"})
+    if row.status != DONE:
+        return JSONResponse(
+            {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+        )
+    result = row.result or {}
+    if row.kind in PROTO_RESULTS and proto.PROTOBUF in request.headers.get("accept", ""):
+        encode = (
+            proto.encode_sample_response
+            if row.kind == "Sample"
+            else proto.encode_forward_backward_output
+        )
+        data = await run_in_threadpool(encode, wire_arrays(result))
+        return Response(data, media_type=proto.PROTOBUF)
+    return JSONResponse(result)
+
+
+@router.post("/retrieve_futures")
+async def retrieve_futures() -> None:
+    raise ApiError(
+        400,  # not 501: the SDK retries every 5xx for five minutes (face.NOT_SERVED_STATUS)
+        "route /api/v1/retrieve_futures: not served (this worker sets sample_use_retrieve_futures "
+        "false in /api/v1/client/config; poll /api/v1/retrieve_future)",
+        code="not_implemented",
+        param="route",
+    )
+
+
+def wire_arrays(result: dict[str, Any]) -> dict[str, Any]:
+    """A stored forward-backward result (`TensorData` JSON) with numpy arrays, as the proto
+    encoder takes it; a sample result passes unchanged."""
+    import numpy as np
+
+    outputs = result.get("loss_fn_outputs")
+    if outputs is None:
+        return result
+    arrays = [
+        {
+            name: np.asarray(t["data"], dtype=t["dtype"]).reshape(t.get("shape") or [-1])
+            for name, t in output.items()
+        }
+        for output in outputs
+    ]
+    return {**result, "loss_fn_outputs": arrays}

@@ -1,0 +1,258 @@
+"""Training runs, checkpoints and Tinker sessions, as the SDK's `RestClient` reads them.
+
+A training run is a Tinker model, or an RL-session-API training session: the checkpoints of
+both faces are listed here with their `tinker://` paths (`trainer.api.tinker.paths`), and a
+sampler checkpoint downloads through signed URLs that point at the worker itself (the same
+signed file route as the RL session API's downloads).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.concurrency import run_in_threadpool
+
+from trainer.api.errors import ApiError, bad_request, not_found
+from trainer.api.route_helpers import base_url
+from trainer.api.routes_resources import FILE_PATH
+from trainer.api.store import SessionRow
+from trainer.api.tinker import paths
+from trainer.api.tinker.bridge import TinkerBridge
+from trainer.api.tinker.routes import bridge_of
+from trainer.api.tinker.store import TinkerCheckpoint, TinkerModel, TinkerSampler, TinkerSession
+from trainer.api.wire import iso
+from trainer.checkpoints import INFERENCE, CheckpointCorrupt, CheckpointRecord
+
+router = APIRouter()
+TINKER_SESSION_PREFIX = "tinker "  # display name of the engine sessions this face opens
+
+
+def _size(bridge: TinkerBridge, record: CheckpointRecord) -> int | None:
+    try:
+        return sum(f.size for f in bridge.worker.checkpoints.manifest_files(record.id))
+    except (KeyError, CheckpointCorrupt):
+        return None
+
+
+def checkpoint_json(bridge: TinkerBridge, record: CheckpointRecord) -> dict[str, Any]:
+    path = paths.path_of(bridge, record)
+    _, kind, name = paths.parse(path, "tinker_path")
+    saved = bridge.db.get(TinkerCheckpoint, path)
+    return {
+        "checkpoint_id": f"{paths.SEGMENTS[kind]}/{name}",
+        "checkpoint_type": kind,
+        "time": iso(record.created_at),
+        "tinker_path": path,
+        "size_bytes": _size(bridge, record),
+        "public": False,
+        "user_metadata": saved.user_metadata if saved is not None else None,
+        "expires_at": iso(saved.expires_at) if saved is not None else None,
+    }
+
+
+def run_checkpoints(bridge: TinkerBridge, run_id: str) -> list[CheckpointRecord]:
+    """A run's checkpoints, newest first: those saved through Tinker under the run, or the
+    RL session API's of the training session `run_id`."""
+    saved = bridge.db.select(TinkerCheckpoint, "run_id = ?", (run_id,))
+    records = [bridge.worker.checkpoints.get(c.checkpoint_id) for c in saved]
+    if not saved:
+        records = list(bridge.worker.checkpoints.list(session_id=run_id, limit=10_000))
+    found = [r for r in records if r is not None]
+    return sorted(found, key=lambda r: (r.created_at, r.id), reverse=True)
+
+
+def run_json(bridge: TinkerBridge, run_id: str) -> dict[str, Any]:
+    model = bridge.db.get(TinkerModel, run_id)
+    records = run_checkpoints(bridge, run_id)
+    last = {
+        kind: next((r for r in records if r.type == engine_type), None)
+        for kind, engine_type in paths.ENGINE_TYPES.items()
+    }
+    rank: int | None
+    if model is not None:
+        base, rank, seen = model.base_model, model.lora_rank, model.last_request_at
+        metadata = {k: str(v) for k, v in model.user_metadata.items()}
+    else:
+        row = bridge.worker.store.get(SessionRow, run_id)
+        if row is None:
+            raise not_found("training run", run_id, "training_run_id")
+        base = _session_base_model(bridge, row)
+        rank = (row.lora_config or {}).get("rank")
+        seen, metadata = row.updated_at, None
+    return {
+        "training_run_id": run_id,
+        "base_model": base,
+        "model_owner": "local",
+        "is_lora": rank is not None,
+        "corrupted": False,
+        "lora_rank": rank,
+        "last_request_time": iso(seen),
+        "last_checkpoint": checkpoint_json(bridge, last["training"]) if last["training"] else None,
+        "last_sampler_checkpoint": checkpoint_json(bridge, last["sampler"])
+        if last["sampler"]
+        else None,
+        "user_metadata": metadata,
+    }
+
+
+def _session_base_model(bridge: TinkerBridge, row: SessionRow) -> str:
+    from trainer.api.store import ResourceRow
+
+    resource = bridge.worker.store.get(ResourceRow, row.resource_id)
+    return str(resource.spec.get("base_model")) if resource is not None else ""
+
+
+def _page(limit: int, offset: int) -> None:
+    if not 1 <= limit <= 1000:
+        raise bad_request("limit: must be in [1, 1000]", "limit")
+    if offset < 0:
+        raise bad_request("offset: must be >= 0", "offset")
+
+
+@router.get("/training_runs")
+async def list_training_runs(
+    request: Request, limit: Annotated[int, Query()] = 20, offset: Annotated[int, Query()] = 0
+) -> dict[str, Any]:
+    _page(limit, offset)
+    bridge = bridge_of(request)
+
+    def collect() -> dict[str, Any]:
+        ids = [
+            m.id for m in bridge.db.select(TinkerModel, tail="ORDER BY created_at DESC, id DESC")
+        ]
+        rows, _ = bridge.worker.store.page(SessionRow, after=None, limit=10_000)
+        ids += [
+            r.id
+            for r in sorted(rows, key=lambda r: (r.created_at, r.id), reverse=True)
+            if not (r.display_name or "").startswith(TINKER_SESSION_PREFIX)
+        ]
+        page = ids[offset : offset + limit]
+        return {
+            "training_runs": [run_json(bridge, run_id) for run_id in page],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(ids)},
+        }
+
+    return await run_in_threadpool(collect)
+
+
+@router.get("/training_runs/{run_id}")
+async def get_training_run(request: Request, run_id: str) -> dict[str, Any]:
+    return await run_in_threadpool(run_json, bridge_of(request), run_id)
+
+
+@router.get("/training_runs/{run_id}/checkpoints")
+async def list_run_checkpoints(request: Request, run_id: str) -> dict[str, Any]:
+    bridge = bridge_of(request)
+
+    def collect() -> dict[str, Any]:
+        if (
+            bridge.db.get(TinkerModel, run_id) is None
+            and bridge.worker.store.get(SessionRow, run_id) is None
+        ):
+            raise not_found("training run", run_id, "training_run_id")
+        return {
+            "checkpoints": [checkpoint_json(bridge, r) for r in run_checkpoints(bridge, run_id)]
+        }
+
+    return await run_in_threadpool(collect)
+
+
+@router.get("/checkpoints")
+async def list_user_checkpoints(
+    request: Request, limit: Annotated[int, Query()] = 100, offset: Annotated[int, Query()] = 0
+) -> dict[str, Any]:
+    _page(limit, offset)
+    bridge = bridge_of(request)
+
+    def collect() -> dict[str, Any]:
+        records = list(bridge.worker.checkpoints.list(limit=offset + limit))
+        total = len(list(bridge.worker.checkpoints.list(limit=1_000_000)))
+        return {
+            "checkpoints": [checkpoint_json(bridge, r) for r in records[offset:]],
+            "cursor": {"offset": offset, "limit": limit, "total_count": total},
+        }
+
+    return await run_in_threadpool(collect)
+
+
+def _record(bridge: TinkerBridge, run_id: str, checkpoint_id: str) -> CheckpointRecord:
+    return paths.resolve(bridge, f"{paths.PREFIX}{run_id}/{checkpoint_id}", "checkpoint_id")
+
+
+@router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
+async def external_weights_urls(
+    request: Request, run_id: str, checkpoint_id: str
+) -> dict[str, Any]:
+    """Signed URLs of an external (or sampler) checkpoint's PEFT adapter files
+    (adapter_config.json and adapter_model.safetensors), valid for the signer's TTL."""
+    bridge = bridge_of(request)
+    record = await run_in_threadpool(_record, bridge, run_id, checkpoint_id)
+    if record.type != INFERENCE:
+        raise bad_request(
+            f"checkpoint_id: {checkpoint_id} is a training checkpoint (weights and optimizer "
+            "state); save_weights_external writes the downloadable adapter",
+            "checkpoint_id",
+        )
+    try:
+        files = await run_in_threadpool(
+            bridge.worker.checkpoints.variant_files, record.id, "ADAPTER"
+        )
+    except (KeyError, CheckpointCorrupt) as exc:
+        raise ApiError(
+            409, f"checkpoint_id: {checkpoint_id}: {exc}", param="checkpoint_id"
+        ) from None
+    signer = request.app.state.signer
+    urls = {
+        f.name: signer.sign(
+            base_url(request),
+            "GET",
+            FILE_PATH.format(checkpoint_id=record.id, variant="ADAPTER", filename=f.name),
+        )
+        for f in files
+    }
+    return {"urls": urls, "expires": iso(time.time() + signer.ttl_s)}
+
+
+@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
+async def delete_checkpoint(request: Request, run_id: str, checkpoint_id: str) -> dict[str, Any]:
+    """The Tinker name is forgotten; the checkpoint itself stays in the catalogue (the RL
+    session API may still resume from it; nothing stored is deleted through this face)."""
+    bridge = bridge_of(request)
+    record = await run_in_threadpool(_record, bridge, run_id, checkpoint_id)
+    path = f"{paths.PREFIX}{run_id}/{checkpoint_id}"
+    if bridge.db.get(TinkerCheckpoint, path) is None:
+        raise bad_request(
+            f"checkpoint_id: {record.id} was saved through the RL session API; it stays",
+            "checkpoint_id",
+        )
+    bridge.db.delete(TinkerCheckpoint, path)
+    return {}
+
+
+@router.get("/sessions")
+async def list_sessions(
+    request: Request, limit: Annotated[int, Query()] = 20, offset: Annotated[int, Query()] = 0
+) -> dict[str, Any]:
+    _page(limit, offset)
+    rows = bridge_of(request).db.select(TinkerSession, tail="ORDER BY created_at DESC, id DESC")
+    return {"sessions": [r.id for r in rows[offset : offset + limit]]}
+
+
+@router.get("/sessions/{session_id}")
+async def get_session(request: Request, session_id: str) -> dict[str, Any]:
+    bridge = bridge_of(request)
+    session = bridge.db.get(TinkerSession, session_id)
+    if session is None:
+        raise not_found("session", session_id, "session_id")
+    return {
+        "training_run_ids": [
+            m.id for m in bridge.db.select(TinkerModel, "tinker_session = ?", (session_id,))
+        ],
+        "sampler_ids": [
+            s.id for s in bridge.db.select(TinkerSampler, "tinker_session = ?", (session_id,))
+        ],
+        "user_metadata": {k: str(v) for k, v in session.user_metadata.items()},
+        "display_name": session.display_name,
+    }

@@ -1,0 +1,355 @@
+"""The Tinker training routes: `forward_backward` (also the SDK's `forward`), `optim_step`,
+`save_weights`, `save_weights_for_sampler`, `load_weights` and `unload_model`.
+
+Each answers a future at once and runs on the model's dispatcher (`TinkerBridge.dispatch`), so
+a model's requests run in the order they arrived. Bodies are translated to the engine's own
+operation bodies (`trainer.api.tinker.convert`) and validated against the model's limits
+before the future exists: bad input is a 400 naming the field, never a failed future.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+
+from trainer.api.bodies import too_large
+from trainer.api.errors import bad_request, not_found
+from trainer.api.route_helpers import json_object
+from trainer.api.tinker import convert, paths, proto
+from trainer.api.tinker.bridge import RequestFailed, TinkerBridge
+from trainer.api.tinker.routes import (
+    LORA_ALPHA,
+    bridge_of,
+    future_json,
+    get_model,
+    idem_key,
+    input_error,
+    parse,
+)
+from trainer.api.tinker.sampling import new_sampler
+from trainer.api.tinker.store import TinkerCheckpoint, TinkerModel, TinkerSession
+from trainer.api.tinker.wire import (
+    LoadWeights,
+    ModelRef,
+    SaveWeights,
+    SaveWeightsExternal,
+    SaveWeightsForSampler,
+)
+
+router = APIRouter()
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise too_large(limit, declared)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def tensor_json(value: Any) -> dict[str, Any]:
+    array = np.asarray(value)
+    dtype = "int64" if array.dtype.kind in "iu" else "float32"
+    return {
+        "data": array.reshape(-1).astype(dtype).tolist(),
+        "dtype": dtype,
+        "shape": list(array.shape),
+    }
+
+
+def storable_fb(out: dict[str, Any]) -> dict[str, Any]:
+    """A translated forward-backward output with its arrays as `TensorData` JSON."""
+    return {
+        "loss_fn_output_type": out.get("loss_fn_output_type", "ArrayRecord"),
+        "loss_fn_outputs": [
+            {name: tensor_json(value) for name, value in output.items()}
+            for output in out["loss_fn_outputs"]
+        ],
+        "metrics": {k: float(v) for k, v in out.get("metrics", {}).items()},
+    }
+
+
+@router.post("/forward_backward")
+async def forward_backward(request: Request) -> dict[str, Any]:
+    bridge = bridge_of(request)
+    limit = bridge.worker.config.max_body_bytes
+    if proto.PROTOBUF in request.headers.get("content-type", ""):
+        if request.headers.get("content-encoding", "identity") not in ("identity", ""):
+            raise bad_request(
+                "Content-Encoding: compressed bodies are not accepted (client/config sets "
+                "proto_compress_fwdbwd false)",
+                "Content-Encoding",
+            )
+        raw = await read_body(request, limit)
+        try:
+            req = await run_in_threadpool(proto.decode_forward_backward_request, raw)
+        except proto.ProtoError as exc:
+            raise bad_request(f"{exc.field}: {exc}", exc.field) from None
+    else:
+        req = await json_object(request, limit)
+    model_id = req.get("model_id")
+    if not isinstance(model_id, str) or not model_id:
+        raise bad_request("model_id: required", "model_id")
+    model = get_model(bridge, model_id)
+    fbi = req.get("forward_backward_input")
+    if not isinstance(fbi, dict):
+        raise bad_request("forward_backward_input: required (an object)", "forward_backward_input")
+    forward_only = bool(req.get("forward_only", False))
+    try:
+        body = await run_in_threadpool(convert.forward_backward_body, fbi, forward_only)
+    except convert.TinkerInputError as exc:
+        raise input_error(exc) from None
+    call = await run_in_threadpool(bridge.prepare, model.session_id, "forward-backward", body)
+    kind = "Forward" if forward_only else "ForwardBackward"
+    key = idem_key(request, model_id, req.get("seq_id"), kind)
+    future, new = bridge.future(model_id, kind, key)
+    if new:
+        loss_fn = str(fbi.get("loss_fn", ""))
+
+        def work() -> dict[str, Any]:
+            result = bridge.run(model, "forward-backward", call, future.id)
+            return storable_fb(convert.forward_backward_output(result, loss_fn))
+
+        bridge.dispatch(model_id, future.id, work)
+    return future_json(future.id, model_id)
+
+
+@router.post("/optim_step")
+async def optim_step(request: Request) -> dict[str, Any]:
+    bridge = bridge_of(request)
+    req = await json_object(request, 1 << 20)
+    model = get_model(bridge, str(req.get("model_id") or ""))
+    try:
+        body = convert.optim_step_body(req)
+    except convert.TinkerInputError as exc:
+        raise input_error(exc) from None
+    call = await run_in_threadpool(bridge.prepare, model.session_id, "optim-step", body)
+    future, new = bridge.future(
+        model.id, "OptimStep", idem_key(request, model.id, req.get("seq_id"), "optim")
+    )
+    if new:
+        bridge.dispatch(
+            model.id,
+            future.id,
+            lambda: convert.optim_step_output(bridge.run(model, "optim-step", call, future.id)),
+        )
+    return future_json(future.id, model.id)
+
+
+def _checkpoint_name(bridge: TinkerBridge, model: TinkerModel, kind: str, name: str | None) -> str:
+    if name is None:
+        count = bridge.db.count(TinkerCheckpoint, "run_id = ? AND kind = ?", (model.id, kind))
+        return f"{count:06d}"
+    return paths.check_name(name, "path")
+
+
+def _save(
+    bridge: TinkerBridge,
+    model: TinkerModel,
+    kind: str,
+    name: str,
+    future_id: str,
+    ttl_seconds: int | None,
+    user_metadata: dict[str, str] | None,
+    overwrite: bool,
+) -> str:
+    """Write the checkpoint (training or inference) and record its tinker path."""
+    path = paths.make(model.id, kind, name)
+    existing = bridge.db.get(TinkerCheckpoint, path)
+    if existing is not None and not overwrite:
+        raise RequestFailed(f"path: checkpoint {path} exists (pass overwrite=True to replace it)")
+    op = (
+        "training-checkpoint" if kind == "training" else "inference-checkpoint"
+    )  # sampler, external
+    call = bridge.prepare(bridge.current_session(model.id), op, {})
+    output = bridge.run(model, op, call, future_id)
+    checkpoint_id = str((output.get("checkpoint") or {}).get("id") or "")
+    if not checkpoint_id:
+        raise RequestFailed(f"{op} returned no checkpoint id: {sorted(output)}", "server")
+    now = time.time()
+    bridge.db.insert(
+        TinkerCheckpoint(
+            path=path,
+            run_id=model.id,
+            kind=kind,
+            name=name,
+            checkpoint_id=checkpoint_id,
+            created_at=now,
+            expires_at=now + ttl_seconds if ttl_seconds else None,
+            user_metadata=user_metadata,
+        ),
+        replace=True,
+    )
+    return path
+
+
+@router.post("/save_weights")
+async def save_weights(request: Request) -> dict[str, Any]:
+    body: SaveWeights = await parse(request, SaveWeights)
+    bridge = bridge_of(request)
+    model = get_model(bridge, body.model_id)
+    name = _checkpoint_name(bridge, model, "training", body.path)
+    future, new = bridge.future(
+        model.id, "SaveWeights", idem_key(request, model.id, body.seq_id, "save")
+    )
+    if new:
+
+        def work() -> dict[str, Any]:
+            path = _save(
+                bridge,
+                model,
+                "training",
+                name,
+                future.id,
+                body.ttl_seconds,
+                body.user_metadata,
+                body.overwrite,
+            )
+            return {"path": path, "type": "save_weights"}
+
+        bridge.dispatch(model.id, future.id, work)
+    return future_json(future.id, model.id)
+
+
+@router.post("/save_weights_for_sampler")
+async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
+    body: SaveWeightsForSampler = await parse(request, SaveWeightsForSampler)
+    bridge = bridge_of(request)
+    model = get_model(bridge, body.model_id)
+    name = _checkpoint_name(bridge, model, "sampler", body.path)
+    key = idem_key(request, model.id, body.seq_id, "save_for_sampler")
+    future, new = bridge.future(model.id, "SaveWeightsForSampler", key)
+    if new:
+
+        def work() -> dict[str, Any]:
+            path = _save(
+                bridge,
+                model,
+                "sampler",
+                name,
+                future.id,
+                body.ttl_seconds,
+                body.user_metadata,
+                True,
+            )
+            out: dict[str, Any] = {"path": path, "type": "save_weights_for_sampler"}
+            if body.sampling_session_seq_id is not None:
+                sampler_id = f"{model.tinker_session}:sample:{body.sampling_session_seq_id}"
+                new_sampler(bridge, sampler_id, model.tinker_session, model.base_model, path)
+                out["sampling_session_id"] = sampler_id
+            return out
+
+        bridge.dispatch(model.id, future.id, work)
+    return future_json(future.id, model.id)
+
+
+@router.post("/save_weights_external")
+async def save_weights_external(request: Request) -> dict[str, Any]:
+    """The model's weights as a PEFT adapter (an inference checkpoint) under
+    `external_weights/<name>`, downloadable through `external_weights_urls`."""
+    body: SaveWeightsExternal = await parse(request, SaveWeightsExternal)
+    bridge = bridge_of(request)
+    model = get_model(bridge, body.model_id)
+    name = paths.check_name(body.path, "path")
+    key = idem_key(request, model.id, body.seq_id, "save_external")
+    future, new = bridge.future(model.id, "SaveWeightsExternal", key)
+    if new:
+
+        def work() -> dict[str, Any]:
+            path = _save(bridge, model, "external", name, future.id, body.ttl_seconds, None, True)
+            record = paths.resolve(bridge, path, "path")
+            files = bridge.worker.checkpoints.variant_files(record.id, "ADAPTER")
+            size = sum(f.size for f in files)
+            return {"path": path, "size_bytes": size, "type": "save_weights_external"}
+
+        bridge.dispatch(model.id, future.id, work)
+    return future_json(future.id, model.id)
+
+
+@router.post("/load_weights")
+async def load_weights(request: Request) -> dict[str, Any]:
+    body: LoadWeights = await parse(request, LoadWeights)
+    bridge = bridge_of(request)
+    record = await run_in_threadpool(paths.resolve, bridge, body.path, "path")
+    if record.lora_rank is None:
+        raise bad_request(
+            f"path: {body.path} is a full-weight checkpoint; Tinker models are LoRA", "path"
+        )
+    if body.optimizer and record.type != paths.ENGINE_TYPES["training"]:
+        raise bad_request("optimizer: a sampler checkpoint has no optimizer state", "optimizer")
+    if body.model_id is not None:
+        model = get_model(bridge, body.model_id)
+        if record.base_model != model.base_model:
+            raise bad_request(
+                f"path: {body.path} was trained on {record.base_model!r}, model {model.id} on "
+                f"{model.base_model!r}",
+                "path",
+            )
+        target, tinker_session, base_model = model.id, model.tinker_session, model.base_model
+    else:
+        tinker_session = body.session_id or ""
+        if bridge.db.get(TinkerSession, tinker_session) is None:
+            raise not_found("session", tinker_session, "session_id")
+        base_model = bridge.entry(record.base_model, "path").name
+        target = f"{tinker_session}:train:{body.model_seq_id}"
+    future, new = bridge.future(
+        target, "LoadWeights", idem_key(request, target, body.seq_id, "load")
+    )
+    if not new:
+        return future_json(future.id, target)
+    spec = {
+        "resume_from_checkpoint_id": record.id,
+        "load_optimizer": body.optimizer,
+        "display_name": f"tinker {target}"[:128],
+    }
+
+    def work() -> dict[str, Any]:
+        old = bridge.db.get(TinkerModel, target)
+        resource_id = old.resource_id if old is not None else bridge.resource_for(base_model)
+        session_id = bridge.open_session(resource_id, spec, "path")
+        now = time.time()
+        model = TinkerModel(
+            id=target,
+            tinker_session=tinker_session,
+            base_model=base_model,
+            session_id=session_id,
+            resource_id=resource_id,
+            lora_rank=int(record.lora_rank or 0),
+            created_at=old.created_at if old is not None else now,
+            last_request_at=now,
+            lora_config={"rank": record.lora_rank, "alpha": LORA_ALPHA},
+            user_metadata=old.user_metadata if old is not None else dict(body.user_metadata or {}),
+        )
+        bridge.db.insert(model, replace=True)
+        if old is not None:
+            bridge.stop_session(old.session_id)
+        return {"path": body.path, "model_id": target, "type": "load_weights"}
+
+    bridge.dispatch(target, future.id, work)
+    return future_json(future.id, target)
+
+
+@router.post("/unload_model")
+async def unload_model(request: Request) -> dict[str, Any]:
+    body: ModelRef = await parse(request, ModelRef)
+    bridge = bridge_of(request)
+    model = get_model(bridge, body.model_id)
+    future, new = bridge.future(model.id, "UnloadModel", idem_key(request, model.id, "unload"))
+    if new:
+
+        def work() -> dict[str, Any]:
+            bridge.stop_session(bridge.current_session(model.id))
+            return {"model_id": model.id, "type": "unload_model"}
+
+        bridge.dispatch(model.id, future.id, work)
+    return future_json(future.id, model.id)

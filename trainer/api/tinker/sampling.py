@@ -1,0 +1,220 @@
+"""Tinker sampling: sampling sessions, `asample`, and the engine sessions that serve them.
+
+A sampling session names what it samples: a `tinker://` checkpoint (saved by either face) or
+a base model. Its samples run on an engine session opened from that checkpoint
+(`resume_from_checkpoint_id`, weights only) on the shared resource of the base model, or on a
+fresh rank-1 LoRA session for the base model itself (its B matrices are zero, so it computes
+exactly the base model). Sampling sessions of the same checkpoint share one engine session;
+at most `MAX_SAMPLER_SESSIONS` stay open, the least recently used idle one closing first.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+
+from trainer.api.errors import bad_request, not_found
+from trainer.api.operations import OPERATIONS
+from trainer.api.route_helpers import json_object
+from trainer.api.store import SES_RUNNING, SessionRow
+from trainer.api.tinker import convert, paths
+from trainer.api.tinker.bridge import TinkerBridge
+from trainer.api.tinker.routes import bridge_of, future_json, idem_key, input_error, parse
+from trainer.api.tinker.store import TinkerSampler, TinkerSession
+from trainer.api.tinker.wire import CreateSamplingSession
+from trainer.api.worker import EngineCall
+
+router = APIRouter()
+MAX_SAMPLER_SESSIONS = 4
+
+
+class SamplerSessions:
+    """Engine sessions that serve samples, keyed by what they sample."""
+
+    def __init__(self, bridge: TinkerBridge) -> None:
+        self.bridge = bridge
+        self.lock = threading.Lock()
+        self.open: OrderedDict[str, str] = OrderedDict()  # key -> engine session id
+        self.in_use: dict[str, int] = {}
+        self.opening: dict[str, threading.Lock] = {}
+
+    def acquire(self, sampler: TinkerSampler) -> tuple[str, str]:
+        key = sampler.checkpoint_id or f"base:{sampler.base_model}"
+        with self.lock:
+            gate = self.opening.setdefault(key, threading.Lock())
+        with gate:
+            with self.lock:
+                session_id = self.open.get(key)
+            if session_id is not None and not self._running(session_id):
+                with self.lock:
+                    self.open.pop(key, None)
+                session_id = None
+            if session_id is None:
+                session_id = self._open(sampler)
+                with self.lock:
+                    self.open[key] = session_id
+            with self.lock:
+                self.open.move_to_end(key)
+                self.in_use[key] = self.in_use.get(key, 0) + 1
+        self._evict()
+        return key, session_id
+
+    def release(self, key: str) -> None:
+        with self.lock:
+            self.in_use[key] = max(0, self.in_use.get(key, 1) - 1)
+        self._evict()
+
+    def _running(self, session_id: str) -> bool:
+        row = self.bridge.worker.store.get(SessionRow, session_id)
+        return row is not None and row.status == SES_RUNNING
+
+    def _open(self, sampler: TinkerSampler) -> str:
+        resource_id = self.bridge.resource_for(sampler.base_model)
+        spec: dict[str, Any]
+        if sampler.checkpoint_id:
+            spec = {"resume_from_checkpoint_id": sampler.checkpoint_id, "load_optimizer": False}
+        else:
+            spec = {"lora_config": {"rank": 1, "alpha": 1, "train_unembed": False}}
+        spec["display_name"] = f"tinker sampler {sampler.id}"[:128]
+        return self.bridge.open_session(resource_id, spec, "model_path")
+
+    def _evict(self) -> None:
+        closing: list[str] = []
+        with self.lock:
+            for key in list(self.open):
+                if len(self.open) - len(closing) <= MAX_SAMPLER_SESSIONS:
+                    break
+                if self.in_use.get(key, 0) == 0:
+                    closing.append(self.open.pop(key))
+        for session_id in closing:
+            self.bridge.stop_session(session_id)
+
+
+def samplers_of(request: Request) -> SamplerSessions:
+    samplers: SamplerSessions = request.app.state.tinker_samplers
+    return samplers
+
+
+def new_sampler(
+    bridge: TinkerBridge,
+    sampler_id: str,
+    tinker_session: str,
+    base_model: str | None,
+    model_path: str | None,
+    keep: bool = True,
+) -> TinkerSampler:
+    """Record a sampling session (400/404 naming the field when its target does not exist);
+    `keep=False` only checks and builds it."""
+    checkpoint_id = None
+    if model_path:
+        record = paths.resolve(bridge, model_path, "model_path")
+        if record.lora_rank is None:
+            raise bad_request(f"model_path: {model_path} is a full-weight checkpoint", "model_path")
+        checkpoint_id, base = record.id, record.base_model
+    else:
+        base = base_model or ""
+    sampler = TinkerSampler(
+        id=sampler_id,
+        tinker_session=tinker_session,
+        base_model=bridge.entry(base, "base_model").name,
+        created_at=time.time(),
+        model_path=model_path,
+        checkpoint_id=checkpoint_id,
+    )
+    if keep:
+        bridge.db.insert(sampler, replace=True)
+    return sampler
+
+
+@router.post("/create_sampling_session")
+async def create_sampling_session(request: Request) -> dict[str, Any]:
+    body: CreateSamplingSession = await parse(request, CreateSamplingSession)
+    bridge = bridge_of(request)
+    if bridge.db.get(TinkerSession, body.session_id) is None:
+        raise not_found("session", body.session_id, "session_id")
+    sampler_id = f"{body.session_id}:sample:{body.sampling_session_seq_id}"
+    await run_in_threadpool(
+        new_sampler, bridge, sampler_id, body.session_id, body.base_model, body.model_path
+    )
+    return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
+
+
+@router.get("/samplers/{sampler_id}")
+async def get_sampler(request: Request, sampler_id: str) -> dict[str, Any]:
+    sampler = bridge_of(request).db.get(TinkerSampler, sampler_id)
+    if sampler is None:
+        raise not_found("sampler", sampler_id, "sampler_id")
+    return {
+        "sampler_id": sampler.id,
+        "base_model": sampler.base_model,
+        "model_path": sampler.model_path,
+    }
+
+
+def _prepare_sample(bridge: TinkerBridge, base_model: str, body: dict[str, Any]) -> EngineCall:
+    from pydantic import ValidationError
+
+    from trainer.api.errors import from_pydantic
+
+    spec = OPERATIONS["sample"]
+    try:
+        parsed = spec.body.model_validate(body)
+    except ValidationError as exc:
+        raise from_pydantic(exc) from None
+    entry = bridge.entry(base_model)
+    if spec.check is not None:
+        spec.check(parsed, entry)
+    return spec.call(parsed)
+
+
+@router.post("/asample")
+async def asample(request: Request) -> dict[str, Any]:
+    bridge = bridge_of(request)
+    req = await json_object(request, bridge.worker.config.max_body_bytes)
+    sampler_id = req.get("sampling_session_id")
+    if sampler_id is not None:
+        sampler = bridge.db.get(TinkerSampler, str(sampler_id))
+        if sampler is None:
+            raise not_found("sampling session", str(sampler_id), "sampling_session_id")
+    elif req.get("model_path") or req.get("base_model"):
+        path, base = req.get("model_path"), req.get("base_model")
+        for name, value in (("model_path", path), ("base_model", base)):
+            if value is not None and not isinstance(value, str):
+                raise bad_request(f"{name}: must be a string", name)
+        sampler = await run_in_threadpool(  # recorded once the request is accepted
+            new_sampler, bridge, f"adhoc:{path or base}", "", base, path, False
+        )
+    else:
+        raise bad_request(
+            "sampling_session_id: set it, or model_path / base_model", "sampling_session_id"
+        )
+    try:
+        body = convert.sample_body(req)
+    except convert.TinkerInputError as exc:
+        raise input_error(exc) from None
+    call = await run_in_threadpool(_prepare_sample, bridge, sampler.base_model, body)
+    if sampler_id is None:
+        bridge.db.insert(sampler, replace=True)
+    key = idem_key(request, sampler.id, req.get("seq_id"), "sample")
+    future, new = bridge.future(sampler.id, "Sample", key)
+    if new:
+        sessions = samplers_of(request)
+
+        def work() -> dict[str, Any]:
+            held, session_id = sessions.acquire(sampler)
+            try:
+                return convert.sample_output(bridge.run(session_id, "sample", call, future.id))
+            finally:
+                sessions.release(held)
+
+        bridge.dispatch(sampler.id, future.id, work)
+    count = req.get("num_samples", 1)
+    out = future_json(future.id)
+    if isinstance(count, int):  # each becomes its `SampledSequence.sequence_id` in the SDK
+        out["sample_sequence_ids"] = [f"{future.id}:{i}" for i in range(count)]
+    return out
