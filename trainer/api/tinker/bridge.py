@@ -230,6 +230,8 @@ class TinkerBridge:
     ) -> dict[str, Any]:
         """Queue `call` on the model's session now and wait for its output."""
         session_id = model if isinstance(model, str) else self.current_session(model.id)
+        if not isinstance(model, str):
+            self.db.update(TinkerModel, model.id, last_request_at=time.time())
         row = self.worker.submit(session_id, kind, f"tinker:{key}", key, call)
         done = self.worker.oplog.futures.get(row.id)
         if done is not None:

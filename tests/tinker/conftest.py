@@ -1,0 +1,157 @@
+"""A live worker for the official `tinker` SDK, and the offline pieces the SDK and cookbook need.
+
+The catalogue serves tiny random Qwen3-shaped models (`trainer.tiny`, under a seed) under names
+tinker-cookbook knows (`model_info`), each saved with a word-level tokenizer built here, offline,
+that has the special tokens of the cookbook's Qwen3 renderers. The model's vocabulary is exactly
+the tokenizer's, so every sampled id decodes.
+
+- `Qwen/Qwen3-4B-Instruct-2507` (renderer `qwen3_instruct`), weights at init scale: its next-token
+  distribution is nearly uniform, so the cookbook's RL loop samples `\\boxed{0}` about as often as
+  `\\boxed{1}` and its groups get non-zero advantages.
+- `Qwen/Qwen3-8B` (renderer `qwen3`), weights scaled 8x: logprobs far from uniform, for the SDK
+  checks that compare numbers.
+
+The SDK (tinker 0.38, which `together` cannot share an environment with) runs in the venv of
+`tests/tinker/venv.py`, as a subprocess: `run_in_venv` runs a script there with
+`TINKER_BASE_URL` / `TINKER_API_KEY` pointing at the worker and returns the JSON it prints last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.api.conftest import TOKEN, LiveServer, serve_in_thread
+from tests.tinker.venv import tinker_python
+from trainer.tiny import TinySpec, save_model
+
+HERE = Path(__file__).parent
+SCRIPTS = HERE / "sdk_scripts"
+REPO = HERE.parent.parent
+
+COOKBOOK_MODEL = "Qwen/Qwen3-4B-Instruct-2507"
+SDK_MODEL = "Qwen/Qwen3-8B"
+
+SPECIAL = ["<|endoftext|>", "<|im_end|>", "<|im_start|>", "<think>", "</think>", "[UNK]"]
+BOXED = ["\\boxed{0}", "\\boxed{1}"]
+WORDS = [
+    *("user", "assistant", "system", "what", "is", "two", "plus", "three", "five", "the"),
+    *("cat", "sat", "on", "a", "mat", "hello", "world", "answer", "0", "1", "2", "3", "4"),
+    *("?", ".", ","),
+]
+VOCAB = [*SPECIAL, *BOXED, *WORDS]  # id = index; <|endoftext|> = 0 (pad), <|im_end|> = 1 (eos)
+
+
+def build_tokenizer(out_dir: Path) -> Path:
+    """A word-level HF tokenizer over `VOCAB`, saved to `out_dir` (loads with AutoTokenizer)."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in BOXED])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token="[UNK]",
+        pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        clean_up_tokenization_spaces=False,
+    )
+    assert len(tokenizer) == len(VOCAB), (len(tokenizer), len(VOCAB))
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def build_served_model(out_dir: Path, scale: float, seed: int, tokenizer_dir: Path) -> Path:
+    """A tiny Qwen3 with the tokenizer's vocabulary; the tokenizer saved to `tokenizer_dir`
+    (the model's own directory, or another one that the catalogue entry names)."""
+    spec = TinySpec(arch="qwen3", vocab=len(VOCAB), tied=True, bos=None, eos=1, pad=0, scale=scale)
+    save_model(spec, out_dir, seed)
+    build_tokenizer(tokenizer_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def venv_python() -> Path:
+    return tinker_python()
+
+
+@pytest.fixture(scope="session")
+def served_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tinker-models")
+    cookbook, sdk = root / "cookbook", root / "sdk"
+    return {
+        COOKBOOK_MODEL: build_served_model(cookbook, scale=1.0, seed=3, tokenizer_dir=cookbook),
+        SDK_MODEL: build_served_model(sdk, scale=8.0, seed=0, tokenizer_dir=root / "tokenizer"),
+    }
+
+
+def tokenizer_of(served_models: dict[str, Path], name: str) -> Path:
+    """The cookbook model keeps its tokenizer in its own directory (the entry's `location`); the
+    SDK model's entry names a separate one (`tokenizer`)."""
+    return served_models[name].parent / "tokenizer" if name == SDK_MODEL else served_models[name]
+
+
+def catalogue(served_models: dict[str, Path], *names: str) -> list[dict[str, str]]:
+    """`[[model]]` entries for `names` (default: all), with `tokenizer` where it is apart."""
+    entries = []
+    for name in names or tuple(served_models):
+        entry = {"name": name, "location": str(served_models[name])}
+        if tokenizer_of(served_models, name) != served_models[name]:
+            entry["tokenizer"] = str(tokenizer_of(served_models, name))
+        entries.append(entry)
+    return entries
+
+
+@pytest.fixture(scope="module")
+def tinker_server(
+    served_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveServer]:
+    storage = tmp_path_factory.mktemp("tinker-storage")
+    with serve_in_thread(storage, {}, model=catalogue(served_models)) as live:
+        yield live
+
+
+def sdk_env(server: LiveServer, **extra: str) -> dict[str, str]:
+    """The environment a Tinker user sets: the worker's URL and `tml-<token>` as the key."""
+    env = dict(os.environ)
+    env.update(
+        TINKER_BASE_URL=server.url,
+        TINKER_API_KEY=f"tml-{TOKEN}",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONPATH=str(REPO),
+        **extra,
+    )
+    return env
+
+
+def run_in_venv(
+    python: Path, server: LiveServer, argv: list[str], timeout: float = 300, **env: str
+) -> dict[str, Any]:
+    """Run `python argv...` against `server`; the JSON object on its last stdout line."""
+    proc = subprocess.run(
+        [str(python), *argv],
+        env=sdk_env(server, **env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"{argv} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+            f"\n--- stderr\n{proc.stderr[-8000:]}"
+        )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"{argv} printed no JSON\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
