@@ -132,17 +132,24 @@ def _decode(cls: type[Row], record: sqlite3.Row) -> Row:
     return cls(**values)
 
 
+def open_db(path: Path, schema: str) -> sqlite3.Connection:
+    """A SQLite database for one process's threads (the caller's lock serialises them):
+    autocommit, WAL, rows by column name, `schema` applied."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+    db.row_factory = sqlite3.Row
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=NORMAL")
+    db.executescript(schema)
+    return db
+
+
 class WorkerStore:
     """Thread-safe: one connection, one lock; every write commits immediately."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
+        self._db = open_db(path, _SCHEMA)
 
     def close(self) -> None:
         with self._lock:

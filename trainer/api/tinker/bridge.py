@@ -115,6 +115,16 @@ class TinkerBridge:
         )
         self.waiters.notify(request_id)
 
+    def start(
+        self, owner: str, kind: str, key: str | None, work: Callable[[str], dict[str, Any]]
+    ) -> str:
+        """The request's future id: a new future whose `work(request_id)` runs on the owner's
+        dispatcher, or the future an earlier try with the same idempotency key made."""
+        future, new = self.future(owner, kind, key)
+        if new:
+            self.dispatch(owner, future.id, lambda: work(future.id))
+        return future.id
+
     def dispatch(self, owner: str, request_id: str, work: Callable[[], dict[str, Any]]) -> None:
         """Run `work` after the owner's earlier requests; its result or failure completes the
         future (an unexpected error is a server-category failure, never a lost future)."""

@@ -3,9 +3,9 @@ heartbeats, models (`create_model`, `get_info`, `weights_info`), and the futures
 (`retrieve_future`). Training, sampling and checkpoint routes are in the sibling modules.
 
 Every `/api/v1/...` route needs the worker's token as `X-API-Key` (the SDK's header) or as a
-bearer token (`trainer.api.tinker.auth`). Requests that run on the engine answer a future at
-once (`{"request_id": ...}`); the SDK polls `retrieve_future`, which waits up to `LONG_POLL_S`
-for the result and otherwise answers `try_again`.
+bearer token (`trainer.api.tinker.face.TinkerAuth`). Requests that run on the engine answer a
+future at once (`{"request_id": ...}`); the SDK polls `retrieve_future`, which waits up to
+`LONG_POLL_S` for the result and otherwise answers `try_again`.
 """
 
 from __future__ import annotations
@@ -194,9 +194,6 @@ async def create_model(request: Request) -> dict[str, Any]:
             code="invalid_input",
         )
     model_id = f"{body.session_id}:train:{body.model_seq_id}"
-    future, new = bridge.future(model_id, "CreateModel", f"create_model|{model_id}")
-    if not new:
-        return future_json(future.id, model_id)
     lora_config = {
         "rank": rank,
         "alpha": LORA_ALPHA,
@@ -204,7 +201,7 @@ async def create_model(request: Request) -> dict[str, Any]:
         "train_unembed": lora.train_unembed if lora is not None else True,
     }
 
-    def work() -> dict[str, Any]:
+    def work(_: str) -> dict[str, Any]:
         resource_id = bridge.resource_for(entry.name)
         session_id = bridge.open_session(
             resource_id,
@@ -229,8 +226,8 @@ async def create_model(request: Request) -> dict[str, Any]:
         )
         return {"model_id": model_id, "type": "create_model"}
 
-    bridge.dispatch(model_id, future.id, work)
-    return future_json(future.id, model_id)
+    request_id = bridge.start(model_id, "CreateModel", f"create_model|{model_id}", work)
+    return future_json(request_id, model_id)
 
 
 def model_info(bridge: TinkerBridge, model: TinkerModel) -> dict[str, Any]:

@@ -112,16 +112,13 @@ async def forward_backward(request: Request) -> dict[str, Any]:
     call = await run_in_threadpool(bridge.prepare, model.session_id, "forward-backward", body)
     kind = "Forward" if forward_only else "ForwardBackward"
     key = idem_key(request, model_id, req.get("seq_id"), kind)
-    future, new = bridge.future(model_id, kind, key)
-    if new:
-        loss_fn = str(fbi.get("loss_fn", ""))
+    loss_fn = str(fbi.get("loss_fn", ""))
 
-        def work() -> dict[str, Any]:
-            result = bridge.run(model, "forward-backward", call, future.id)
-            return storable_fb(convert.forward_backward_output(result, loss_fn))
+    def work(request_id: str) -> dict[str, Any]:
+        result = bridge.run(model, "forward-backward", call, request_id)
+        return storable_fb(convert.forward_backward_output(result, loss_fn))
 
-        bridge.dispatch(model_id, future.id, work)
-    return future_json(future.id, model_id)
+    return future_json(bridge.start(model_id, kind, key, work), model_id)
 
 
 @router.post("/optim_step")
@@ -134,16 +131,12 @@ async def optim_step(request: Request) -> dict[str, Any]:
     except convert.TinkerInputError as exc:
         raise input_error(exc) from None
     call = await run_in_threadpool(bridge.prepare, model.session_id, "optim-step", body)
-    future, new = bridge.future(
-        model.id, "OptimStep", idem_key(request, model.id, req.get("seq_id"), "optim")
-    )
-    if new:
-        bridge.dispatch(
-            model.id,
-            future.id,
-            lambda: convert.optim_step_output(bridge.run(model, "optim-step", call, future.id)),
-        )
-    return future_json(future.id, model.id)
+    key = idem_key(request, model.id, req.get("seq_id"), "optim")
+
+    def work(request_id: str) -> dict[str, Any]:
+        return convert.optim_step_output(bridge.run(model, "optim-step", call, request_id))
+
+    return future_json(bridge.start(model.id, "OptimStep", key, work), model.id)
 
 
 def _checkpoint_name(bridge: TinkerBridge, model: TinkerModel, kind: str, name: str | None) -> str:
@@ -199,26 +192,22 @@ async def save_weights(request: Request) -> dict[str, Any]:
     bridge = bridge_of(request)
     model = get_model(bridge, body.model_id)
     name = _checkpoint_name(bridge, model, "training", body.path)
-    future, new = bridge.future(
-        model.id, "SaveWeights", idem_key(request, model.id, body.seq_id, "save")
-    )
-    if new:
+    key = idem_key(request, model.id, body.seq_id, "save")
 
-        def work() -> dict[str, Any]:
-            path = _save(
-                bridge,
-                model,
-                "training",
-                name,
-                future.id,
-                body.ttl_seconds,
-                body.user_metadata,
-                body.overwrite,
-            )
-            return {"path": path, "type": "save_weights"}
+    def work(request_id: str) -> dict[str, Any]:
+        path = _save(
+            bridge,
+            model,
+            "training",
+            name,
+            request_id,
+            body.ttl_seconds,
+            body.user_metadata,
+            body.overwrite,
+        )
+        return {"path": path, "type": "save_weights"}
 
-        bridge.dispatch(model.id, future.id, work)
-    return future_json(future.id, model.id)
+    return future_json(bridge.start(model.id, "SaveWeights", key, work), model.id)
 
 
 @router.post("/save_weights_for_sampler")
@@ -228,29 +217,19 @@ async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
     model = get_model(bridge, body.model_id)
     name = _checkpoint_name(bridge, model, "sampler", body.path)
     key = idem_key(request, model.id, body.seq_id, "save_for_sampler")
-    future, new = bridge.future(model.id, "SaveWeightsForSampler", key)
-    if new:
 
-        def work() -> dict[str, Any]:
-            path = _save(
-                bridge,
-                model,
-                "sampler",
-                name,
-                future.id,
-                body.ttl_seconds,
-                body.user_metadata,
-                True,
-            )
-            out: dict[str, Any] = {"path": path, "type": "save_weights_for_sampler"}
-            if body.sampling_session_seq_id is not None:
-                sampler_id = f"{model.tinker_session}:sample:{body.sampling_session_seq_id}"
-                new_sampler(bridge, sampler_id, model.tinker_session, model.base_model, path)
-                out["sampling_session_id"] = sampler_id
-            return out
+    def work(request_id: str) -> dict[str, Any]:
+        path = _save(
+            bridge, model, "sampler", name, request_id, body.ttl_seconds, body.user_metadata, True
+        )
+        out: dict[str, Any] = {"path": path, "type": "save_weights_for_sampler"}
+        if body.sampling_session_seq_id is not None:
+            sampler_id = f"{model.tinker_session}:sample:{body.sampling_session_seq_id}"
+            new_sampler(bridge, sampler_id, model.tinker_session, model.base_model, path)
+            out["sampling_session_id"] = sampler_id
+        return out
 
-        bridge.dispatch(model.id, future.id, work)
-    return future_json(future.id, model.id)
+    return future_json(bridge.start(model.id, "SaveWeightsForSampler", key, work), model.id)
 
 
 @router.post("/save_weights_external")
@@ -262,18 +241,15 @@ async def save_weights_external(request: Request) -> dict[str, Any]:
     model = get_model(bridge, body.model_id)
     name = paths.check_name(body.path, "path")
     key = idem_key(request, model.id, body.seq_id, "save_external")
-    future, new = bridge.future(model.id, "SaveWeightsExternal", key)
-    if new:
 
-        def work() -> dict[str, Any]:
-            path = _save(bridge, model, "external", name, future.id, body.ttl_seconds, None, True)
-            record = paths.resolve(bridge, path, "path")
-            files = bridge.worker.checkpoints.variant_files(record.id, "ADAPTER")
-            size = sum(f.size for f in files)
-            return {"path": path, "size_bytes": size, "type": "save_weights_external"}
+    def work(request_id: str) -> dict[str, Any]:
+        path = _save(bridge, model, "external", name, request_id, body.ttl_seconds, None, True)
+        record = paths.resolve(bridge, path, "path")
+        files = bridge.worker.checkpoints.variant_files(record.id, "ADAPTER")
+        size = sum(f.size for f in files)
+        return {"path": path, "size_bytes": size, "type": "save_weights_external"}
 
-        bridge.dispatch(model.id, future.id, work)
-    return future_json(future.id, model.id)
+    return future_json(bridge.start(model.id, "SaveWeightsExternal", key, work), model.id)
 
 
 @router.post("/load_weights")
@@ -302,18 +278,13 @@ async def load_weights(request: Request) -> dict[str, Any]:
             raise not_found("session", tinker_session, "session_id")
         base_model = bridge.entry(record.base_model, "path").name
         target = f"{tinker_session}:train:{body.model_seq_id}"
-    future, new = bridge.future(
-        target, "LoadWeights", idem_key(request, target, body.seq_id, "load")
-    )
-    if not new:
-        return future_json(future.id, target)
     spec = {
         "resume_from_checkpoint_id": record.id,
         "load_optimizer": body.optimizer,
         "display_name": f"tinker {target}"[:128],
     }
 
-    def work() -> dict[str, Any]:
+    def work(_: str) -> dict[str, Any]:
         old = bridge.db.get(TinkerModel, target)
         resource_id = old.resource_id if old is not None else bridge.resource_for(base_model)
         session_id = bridge.open_session(resource_id, spec, "path")
@@ -335,8 +306,8 @@ async def load_weights(request: Request) -> dict[str, Any]:
             bridge.stop_session(old.session_id)
         return {"path": body.path, "model_id": target, "type": "load_weights"}
 
-    bridge.dispatch(target, future.id, work)
-    return future_json(future.id, target)
+    key = idem_key(request, target, body.seq_id, "load")
+    return future_json(bridge.start(target, "LoadWeights", key, work), target)
 
 
 @router.post("/unload_model")
@@ -344,12 +315,10 @@ async def unload_model(request: Request) -> dict[str, Any]:
     body: ModelRef = await parse(request, ModelRef)
     bridge = bridge_of(request)
     model = get_model(bridge, body.model_id)
-    future, new = bridge.future(model.id, "UnloadModel", idem_key(request, model.id, "unload"))
-    if new:
+    key = idem_key(request, model.id, "unload")
 
-        def work() -> dict[str, Any]:
-            bridge.stop_session(bridge.current_session(model.id))
-            return {"model_id": model.id, "type": "unload_model"}
+    def work(_: str) -> dict[str, Any]:
+        bridge.stop_session(bridge.current_session(model.id))
+        return {"model_id": model.id, "type": "unload_model"}
 
-        bridge.dispatch(model.id, future.id, work)
-    return future_json(future.id, model.id)
+    return future_json(bridge.start(model.id, "UnloadModel", key, work), model.id)

@@ -201,20 +201,18 @@ async def asample(request: Request) -> dict[str, Any]:
     if sampler_id is None:
         bridge.db.insert(sampler, replace=True)
     key = idem_key(request, sampler.id, req.get("seq_id"), "sample")
-    future, new = bridge.future(sampler.id, "Sample", key)
-    if new:
-        sessions = samplers_of(request)
+    sessions = samplers_of(request)
 
-        def work() -> dict[str, Any]:
-            held, session_id = sessions.acquire(sampler)
-            try:
-                return convert.sample_output(bridge.run(session_id, "sample", call, future.id))
-            finally:
-                sessions.release(held)
+    def work(request_id: str) -> dict[str, Any]:
+        held, session_id = sessions.acquire(sampler)
+        try:
+            return convert.sample_output(bridge.run(session_id, "sample", call, request_id))
+        finally:
+            sessions.release(held)
 
-        bridge.dispatch(sampler.id, future.id, work)
+    request_id = bridge.start(sampler.id, "Sample", key, work)
     count = req.get("num_samples", 1)
-    out = future_json(future.id)
+    out = future_json(request_id)
     if isinstance(count, int):  # each becomes its `SampledSequence.sequence_id` in the SDK
-        out["sample_sequence_ids"] = [f"{future.id}:{i}" for i in range(count)]
+        out["sample_sequence_ids"] = [f"{request_id}:{i}" for i in range(count)]
     return out

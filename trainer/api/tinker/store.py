@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
+from trainer.api.store import open_db
+
 PENDING, DONE, FAILED = "pending", "done", "failed"
 
 
@@ -119,13 +121,8 @@ CREATE TABLE IF NOT EXISTS samplers (
 
 class TinkerStore:
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
+        self._db = open_db(path, _SCHEMA)
 
     def close(self) -> None:
         with self._lock:
@@ -134,7 +131,7 @@ class TinkerStore:
     def insert(self, record: Any, replace: bool = False) -> None:
         table, _ = _TABLES[type(record)]
         data = {
-            k: json.dumps(v) if k in _JSON and v is not None else v
+            k: json.dumps(v) if k in _JSON and v is not None else _sql(v)
             for k, v in asdict(record).items()
         }
         verb = "INSERT OR REPLACE" if replace else "INSERT"
@@ -146,11 +143,13 @@ class TinkerStore:
 
     def update(self, cls: type[Any], key: str, **changes: Any) -> None:
         table, pk = _TABLES[cls]
-        values = [json.dumps(v) if k in _JSON and v is not None else v for k, v in changes.items()]
+        values = [
+            json.dumps(v) if k in _JSON and v is not None else _sql(v) for k, v in changes.items()
+        ]
         with self._lock:
             self._db.execute(
                 f"UPDATE {table} SET {', '.join(f'{k} = ?' for k in changes)} WHERE {pk} = ?",
-                [*values, key],
+                [*values, _sql(key)],
             )
 
     def get(self, cls: type[Record], key: str) -> Record | None:
@@ -163,7 +162,7 @@ class TinkerStore:
         table, _ = _TABLES[cls]
         with self._lock:
             records = self._db.execute(
-                f"SELECT * FROM {table} WHERE {where} {tail}", params
+                f"SELECT * FROM {table} WHERE {where} {tail}", [_sql(p) for p in params]
             ).fetchall()
         return [_decode(cls, r) for r in records]
 
@@ -171,15 +170,15 @@ class TinkerStore:
         table, _ = _TABLES[cls]
         with self._lock:
             return int(
-                self._db.execute(f"SELECT COUNT(*) FROM {table} WHERE {where}", params).fetchone()[
-                    0
-                ]
+                self._db.execute(
+                    f"SELECT COUNT(*) FROM {table} WHERE {where}", [_sql(p) for p in params]
+                ).fetchone()[0]
             )
 
     def delete(self, cls: type[Any], key: str) -> None:
         table, pk = _TABLES[cls]
         with self._lock:
-            self._db.execute(f"DELETE FROM {table} WHERE {pk} = ?", (key,))
+            self._db.execute(f"DELETE FROM {table} WHERE {pk} = ?", (_sql(key),))
 
     def future_by_key(self, idem_key: str) -> TinkerFuture | None:
         rows = self.select(TinkerFuture, "idem_key = ?", (idem_key,))
@@ -210,6 +209,17 @@ class TinkerStore:
                 ),
             )
             return int(cursor.rowcount)
+
+
+def _sql(value: Any) -> Any:
+    """A text value SQLite can bind: a client's string may hold lone surrogates (JSON allows
+    `"\\ud800"`), which UTF-8 cannot encode; they are stored, and looked up, escaped."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "backslashreplace").decode()
+    return value
 
 
 def _decode(cls: type[Record], record: sqlite3.Row) -> Record:
