@@ -54,11 +54,12 @@ class ApiError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
+        # a message may echo a client's string; lone surrogates in it cannot go out as UTF-8
         return {
             "error": {
-                "message": self.message,
+                "message": _utf8(self.message),
                 "type": _TYPES.get(self.status, "invalid_request_error"),
-                "param": self.param,
+                "param": None if self.param is None else _utf8(self.param),
                 "code": self.code,
             }
         }
@@ -70,13 +71,18 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
+def _utf8(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def bad_request(message: str, param: str | None = None, code: str = "invalid_input") -> ApiError:
     return ApiError(400, message, param=param, code=code)
 
 
 def not_found(kind: str, ident: str, param: str | None = None) -> ApiError:
     prefix = f"{param}: " if param else ""
-    return ApiError(404, f"{prefix}{kind} {ident!r} not found", param=param, code="not_found")
+    shown = repr(ident) if len(ident) <= 200 else f"{ident[:200]!r}... ({len(ident)} characters)"
+    return ApiError(404, f"{prefix}{kind} {shown} not found", param=param, code="not_found")
 
 
 def failed_precondition(message: str, param: str | None = None) -> ApiError:
@@ -84,9 +90,12 @@ def failed_precondition(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code="failed_precondition")
 
 
-def field_path(loc: Sequence[int | str]) -> str:
-    """`("body", "samples", 0, "loss_fn_inputs")` -> `samples[0].loss_fn_inputs`."""
-    parts = [p for p in loc if p not in ("body", "query", "path", "header")]
+def field_path(loc: Sequence[int | str], located: bool = True) -> str:
+    """`("body", "samples", 0, "loss_fn_inputs")` -> `samples[0].loss_fn_inputs`. Only a
+    leading location (FastAPI's) is dropped: a field may be named `path` (Tinker's bodies)."""
+    parts = list(loc)
+    if located and parts and parts[0] in ("body", "query", "path", "header"):
+        parts = parts[1:]
     out = ""
     for part in parts:
         if isinstance(part, int):
@@ -99,14 +108,14 @@ def field_path(loc: Sequence[int | str]) -> str:
 _LEADING_FIELD = re.compile(r"^([a-z_]\w*(?:\[\d+\])*(?:\.\w+(?:\[\d+\])*)*)\b")
 
 
-def from_validation(errors: Sequence[Any], prefix: str = "") -> ApiError:
+def from_validation(errors: Sequence[Any], prefix: str = "", located: bool = True) -> ApiError:
     """First pydantic error as a 400 naming its field; the rest are summarised in the message.
 
     Whole-object validators have an empty location; their messages start with the field path
     (a convention of `trainer.specs`), which then becomes `param`.
     """
     first = errors[0]
-    path = field_path(list(first.get("loc", ())))
+    path = field_path(list(first.get("loc", ())), located)
     if prefix:
         path = f"{prefix}.{path}" if path else prefix
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
@@ -122,7 +131,7 @@ def from_validation(errors: Sequence[Any], prefix: str = "") -> ApiError:
 
 
 def from_pydantic(exc: ValidationError, prefix: str = "") -> ApiError:
-    return from_validation(exc.errors(include_url=False), prefix)
+    return from_validation(exc.errors(include_url=False), prefix, located=False)
 
 
 def is_disk_full(exc: BaseException) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
 import time
 import uuid
@@ -51,6 +52,27 @@ SESSION_TIMEOUT_S = 600.0  # the SDK heartbeats every 10 s; silence this long en
 FUTURE_TTL_S = 6 * 3600.0  # settled futures are kept this long for their clients to fetch
 
 
+# The engine's body fields that a Tinker request names otherwise, per operation
+_TINKER_NAMES = {
+    "forward-backward": (("samples", "forward_backward_input.data"),),
+    "sample": (("model_inputs[0]", "prompt"),),
+}
+
+
+def tinker_names(kind: str, text: str) -> str:
+    """`text` (an error message or param) with the engine's field names of operation `kind`
+    replaced by the Tinker request's (`samples[2].model_input` ->
+    `forward_backward_input.data[2].model_input`)."""
+    for ours, theirs in _TINKER_NAMES.get(kind, ()):
+        text = re.sub(rf"(?<![\w.\]]){re.escape(ours)}(?=[\[.:]|$)", theirs, text)
+    return text
+
+
+def tinker_named(kind: str, exc: ApiError) -> ApiError:
+    param = None if exc.param is None else tinker_names(kind, exc.param)
+    return ApiError(exc.status, tinker_names(kind, exc.message), param=param, code=exc.code)
+
+
 class RequestFailed(Exception):
     """A request's failure as the SDK reads it: a message and a category (user or server)."""
 
@@ -71,6 +93,7 @@ class TinkerBridge:
         self._dispatchers: dict[str, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
         self._resource_lock = threading.Lock()
+        self._closed = False
         self._resources: dict[str, str] = {}  # base model -> the resource this face made
 
     # -- futures ---------------------------------------------------------------------------
@@ -101,10 +124,14 @@ class TinkerBridge:
         return row, True
 
     def finish(self, request_id: str, result: dict[str, Any]) -> None:
+        if self._closed:  # shut down under it: the next start fails it (`recover`)
+            return
         self.db.update(TinkerFuture, request_id, status=DONE, result=result, updated_at=time.time())
         self.waiters.notify(request_id)
 
     def fail(self, request_id: str, message: str, category: str) -> None:
+        if self._closed:
+            return
         self.db.update(
             TinkerFuture,
             request_id,
@@ -140,6 +167,8 @@ class TinkerBridge:
                 category = "user" if exc.code in USER_CODES else "server"
                 self.fail(request_id, f"{exc.code}: {exc.message}", category)
             except Exception as exc:
+                if self._closed:  # the worker shut down under it: `recover` fails it
+                    return
                 log.exception("tinker request %s crashed", request_id)
                 self.fail(request_id, f"internal error: {type(exc).__name__}: {exc}", "server")
             else:
@@ -169,6 +198,7 @@ class TinkerBridge:
         return [s.id for s in ended]
 
     def close(self) -> None:
+        self._closed = True
         with self._lock:
             pools = list(self._dispatchers.values())
             self._dispatchers.clear()
@@ -232,8 +262,12 @@ class TinkerBridge:
     # -- operations ------------------------------------------------------------------------
 
     def prepare(self, session_id: str, kind: str, body: dict[str, Any]) -> EngineCall:
-        """Validate an operation body against the model's limits (a 400 naming the field)."""
-        return prepare_call(self.worker, session_id, OPERATIONS[kind], body)
+        """Validate an operation body against the model's limits (a 400 naming the field,
+        by its Tinker name)."""
+        try:
+            return prepare_call(self.worker, session_id, OPERATIONS[kind], body)
+        except ApiError as exc:
+            raise tinker_named(kind, exc) from None
 
     def run(
         self, model: TinkerModel | str, kind: str, call: EngineCall, key: str
@@ -251,7 +285,8 @@ class TinkerBridge:
             error = row.error or {}
             code = str(error.get("code", "")).removeprefix("TRAINING_OPERATION_ERROR_CODE_")
             category = "user" if code in USER_CODES else "server"
-            raise RequestFailed(f"{code}: {error.get('message', 'failed')}", category)
+            message = tinker_names(kind, str(error.get("message", "failed")))
+            raise RequestFailed(f"{code}: {message}", category)
         output = dict(row.output or {})
         payload_id = output.pop("payload_id", None)
         if payload_id is not None:

@@ -154,6 +154,8 @@ def forward_backward_body(fbi: dict[str, Any], forward_only: bool) -> dict[str, 
     if not isinstance(fbi, Mapping):
         raise TinkerInputError(FBI, "must be an object")
     loss_fn = fbi.get("loss_fn")
+    if not isinstance(loss_fn, str):
+        raise TinkerInputError(f"{FBI}.loss_fn", f"must be a loss name, got {str(loss_fn)[:100]}")
     if loss_fn in _REFUSED:
         raise TinkerInputError(f"{FBI}.loss_fn", _REFUSED[loss_fn])
     if loss_fn not in _LOSS_TYPES:

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from trainer.api.errors import ApiError, from_pydantic, not_found
 from trainer.api.route_helpers import json_object
+from trainer.api.store import SES_RUNNING, SessionRow
 from trainer.api.tinker import convert, paths, proto
 from trainer.api.tinker.bridge import TinkerBridge
 from trainer.api.tinker.store import DONE, FAILED, TinkerFuture, TinkerModel, TinkerSession
@@ -252,6 +253,31 @@ def get_model(bridge: TinkerBridge, model_id: str) -> TinkerModel:
     if model is None:
         raise not_found("model", model_id, "model_id")
     return model
+
+
+def live_model(bridge: TinkerBridge, model_id: str) -> TinkerModel:
+    """A model whose training session is running: after a restart, `unload_model` or the end
+    of its Tinker session it is not, and a request for it is a 400 naming `model_id`."""
+    model = get_model(bridge, model_id)
+    row = bridge.worker.store.get(SessionRow, model.session_id)
+    if row is None or row.status != SES_RUNNING:
+        raise ApiError(
+            400,
+            f"model_id: model {model_id} is no longer loaded (the worker restarted, it was "
+            "unloaded, or its session's heartbeats stopped); load it again from a checkpoint "
+            "(ServiceClient.create_training_client_from_state)",
+            param="model_id",
+            code="failed_precondition",
+        )
+    return model
+
+
+def seq_id_of(req: dict[str, Any]) -> int | None:
+    """A request's `seq_id`: absent, or an integer (a 400 naming it otherwise)."""
+    value = req.get("seq_id")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ApiError(400, "seq_id: must be an integer", param="seq_id", code="invalid_input")
+    return value
 
 
 @router.post("/get_info")

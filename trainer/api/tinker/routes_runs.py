@@ -107,8 +107,8 @@ def _session_base_model(bridge: TinkerBridge, row: SessionRow) -> str:
 def _page(limit: int, offset: int) -> None:
     if not 1 <= limit <= 1000:
         raise bad_request("limit: must be in [1, 1000]", "limit")
-    if offset < 0:
-        raise bad_request("offset: must be >= 0", "offset")
+    if not 0 <= offset <= 1 << 31:  # SQLite integers are 64-bit; no listing is this long
+        raise bad_request("offset: must be in [0, 2**31]", "offset")
 
 
 @router.get("/training_runs")

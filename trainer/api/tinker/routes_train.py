@@ -28,7 +28,9 @@ from trainer.api.tinker.routes import (
     get_model,
     idem_key,
     input_error,
+    live_model,
     parse,
+    seq_id_of,
 )
 from trainer.api.tinker.sampling import new_sampler
 from trainer.api.tinker.store import TinkerCheckpoint, TinkerModel, TinkerSession
@@ -100,7 +102,7 @@ async def forward_backward(request: Request) -> dict[str, Any]:
     model_id = req.get("model_id")
     if not isinstance(model_id, str) or not model_id:
         raise bad_request("model_id: required", "model_id")
-    model = get_model(bridge, model_id)
+    model = live_model(bridge, model_id)
     fbi = req.get("forward_backward_input")
     if not isinstance(fbi, dict):
         raise bad_request("forward_backward_input: required (an object)", "forward_backward_input")
@@ -111,7 +113,7 @@ async def forward_backward(request: Request) -> dict[str, Any]:
         raise input_error(exc) from None
     call = await run_in_threadpool(bridge.prepare, model.session_id, "forward-backward", body)
     kind = "Forward" if forward_only else "ForwardBackward"
-    key = idem_key(request, model_id, req.get("seq_id"), kind)
+    key = idem_key(request, model_id, seq_id_of(req), kind)
     loss_fn = str(fbi.get("loss_fn", ""))
 
     def work(request_id: str) -> dict[str, Any]:
@@ -125,13 +127,13 @@ async def forward_backward(request: Request) -> dict[str, Any]:
 async def optim_step(request: Request) -> dict[str, Any]:
     bridge = bridge_of(request)
     req = await json_object(request, 1 << 20)
-    model = get_model(bridge, str(req.get("model_id") or ""))
+    model = live_model(bridge, str(req.get("model_id") or ""))
     try:
         body = convert.optim_step_body(req)
     except convert.TinkerInputError as exc:
         raise input_error(exc) from None
     call = await run_in_threadpool(bridge.prepare, model.session_id, "optim-step", body)
-    key = idem_key(request, model.id, req.get("seq_id"), "optim")
+    key = idem_key(request, model.id, seq_id_of(req), "optim")
 
     def work(request_id: str) -> dict[str, Any]:
         return convert.optim_step_output(bridge.run(model, "optim-step", call, request_id))
@@ -190,7 +192,7 @@ def _save(
 async def save_weights(request: Request) -> dict[str, Any]:
     body: SaveWeights = await parse(request, SaveWeights)
     bridge = bridge_of(request)
-    model = get_model(bridge, body.model_id)
+    model = live_model(bridge, body.model_id)
     name = _checkpoint_name(bridge, model, "training", body.path)
     key = idem_key(request, model.id, body.seq_id, "save")
 
@@ -214,7 +216,7 @@ async def save_weights(request: Request) -> dict[str, Any]:
 async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
     body: SaveWeightsForSampler = await parse(request, SaveWeightsForSampler)
     bridge = bridge_of(request)
-    model = get_model(bridge, body.model_id)
+    model = live_model(bridge, body.model_id)
     name = _checkpoint_name(bridge, model, "sampler", body.path)
     key = idem_key(request, model.id, body.seq_id, "save_for_sampler")
 
@@ -238,7 +240,7 @@ async def save_weights_external(request: Request) -> dict[str, Any]:
     `external_weights/<name>`, downloadable through `external_weights_urls`."""
     body: SaveWeightsExternal = await parse(request, SaveWeightsExternal)
     bridge = bridge_of(request)
-    model = get_model(bridge, body.model_id)
+    model = live_model(bridge, body.model_id)
     name = paths.check_name(body.path, "path")
     key = idem_key(request, model.id, body.seq_id, "save_external")
 

@@ -18,13 +18,20 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 
-from trainer.api.errors import bad_request, not_found
+from trainer.api.errors import ApiError, bad_request, not_found
 from trainer.api.operations import OPERATIONS
 from trainer.api.route_helpers import json_object
 from trainer.api.store import SES_RUNNING, SessionRow
 from trainer.api.tinker import convert, paths
-from trainer.api.tinker.bridge import TinkerBridge
-from trainer.api.tinker.routes import bridge_of, future_json, idem_key, input_error, parse
+from trainer.api.tinker.bridge import TinkerBridge, tinker_named
+from trainer.api.tinker.routes import (
+    bridge_of,
+    future_json,
+    idem_key,
+    input_error,
+    parse,
+    seq_id_of,
+)
 from trainer.api.tinker.store import TinkerSampler, TinkerSession
 from trainer.api.tinker.wire import CreateSamplingSession
 from trainer.api.worker import EngineCall
@@ -165,10 +172,13 @@ def _prepare_sample(bridge: TinkerBridge, base_model: str, body: dict[str, Any])
     try:
         parsed = spec.body.model_validate(body)
     except ValidationError as exc:
-        raise from_pydantic(exc) from None
+        raise tinker_named("sample", from_pydantic(exc)) from None
     entry = bridge.entry(base_model)
     if spec.check is not None:
-        spec.check(parsed, entry)
+        try:
+            spec.check(parsed, entry)
+        except ApiError as exc:
+            raise tinker_named("sample", exc) from None
     return spec.call(parsed)
 
 
@@ -200,7 +210,7 @@ async def asample(request: Request) -> dict[str, Any]:
     call = await run_in_threadpool(_prepare_sample, bridge, sampler.base_model, body)
     if sampler_id is None:
         bridge.db.insert(sampler, replace=True)
-    key = idem_key(request, sampler.id, req.get("seq_id"), "sample")
+    key = idem_key(request, sampler.id, seq_id_of(req), "sample")
     sessions = samplers_of(request)
 
     def work(request_id: str) -> dict[str, Any]:
