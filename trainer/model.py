@@ -19,7 +19,6 @@ import contextlib
 import json
 import logging
 import os
-import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,13 +30,16 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer  # eager: see the module docstring
 
 from trainer.specs import LoraConfig, ModelEntry
+from trainer.turns import TurnLock
 
 log = logging.getLogger(__name__)
 
 # One lock for all torch work that reads or changes process-global state: operations (they swap
 # their session's RNG state into the global torch RNG, and a worker drives one accelerator) and
-# model loading (see the module docstring). Re-entrant: an operation may load weights.
-COMPUTE_LOCK = threading.RLock()
+# model loading (see the module docstring). Re-entrant: an operation may load weights. Fair
+# (`trainer/turns.py`): turns go in arrival order, and a long sample yields its turn between
+# decode steps so that other sessions' operations are not stuck behind it.
+COMPUTE_LOCK = TurnLock()
 
 # config.json keys that hold a model's context length, in order of preference
 _POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")

@@ -22,6 +22,9 @@ ROW_TOKENS = 2048
 TOKEN_BUDGET = 16384
 CHUNK_TOKENS = 1024
 COLLECTIVE_TIMEOUT_S = 600.0
+MERGE_WINDOW_MS = 2.0
+MERGE_MAX_TOKENS = 16384
+DECODE_STEPS_PER_TURN = 16
 
 LogprobBackend = Literal["ours", "liger"]
 
@@ -42,6 +45,25 @@ class EngineOptions(StrictSpec):
     logprob_backend: LogprobBackend = Field(
         default="ours",
         description="`liger`: liger-kernel's fused head on CUDA where it applies, else ours",
+    )
+    merge: bool = Field(
+        default=True,
+        description="merge concurrent LoRA sessions' forward(-backward) calls into one pass",
+    )
+    merge_window_ms: float = Field(
+        default=MERGE_WINDOW_MS, ge=0, description="how long a pass waits for more calls to merge"
+    )
+    merge_max_tokens: int = Field(
+        default=MERGE_MAX_TOKENS, ge=1, description="tokens per merged pass, at most"
+    )
+    batch_samples: bool = Field(
+        default=True,
+        description="concurrent samples of a LoRA resource's sessions as one generation batch",
+    )
+    decode_steps_per_turn: int = Field(
+        default=DECODE_STEPS_PER_TURN,
+        ge=0,
+        description="a sample lets waiting operations run every N decode steps (0: never)",
     )
 
 

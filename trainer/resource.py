@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from trainer import training_state
 from trainer.checkpoints import INFERENCE, CheckpointCorrupt, CheckpointStore
 from trainer.errors import OperationError, invalid
+from trainer.merge import MergeScheduler
 from trainer.model import (
     COMPUTE_LOCK,
     default_device,
@@ -68,6 +69,7 @@ class ModelResource:
         self.lora = spec.lora_enabled
         self.has_generator = spec.compute_config.num_generator_replicas > 0
         self.sessions: dict[str, TrainingSession] = {}
+        self.scheduler = MergeScheduler(self)  # merges LoRA sessions' calls (`merge.py`)
         self._peft: dict[str, Any] = {"model": None}
         self._adapters = 0
         self._base_dirty = False

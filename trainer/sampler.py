@@ -64,12 +64,18 @@ def generate(
     seed: int | None = None,
     forward: Callable[..., Any] | None = None,
     agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    give_turn: Callable[[], None] | None = None,
+    turn_steps: int = 0,
 ) -> list[list[Sequence]]:
     """`num_samples` completions for each prompt; returns sequences grouped by prompt.
 
     `forward(**kwargs)` runs the model (default: `model` itself; a sharded model is called
     through its FSDP root). `agree(chosen_S)` returns the tokens to continue with: under
     torch.distributed, rank 0's choice broadcast to every rank, so all stay in lockstep.
+    `give_turn()` is called after every `turn_steps` decode steps (0: never): it may let
+    other operations run and must hand the model back as it was (`session_generator.py`).
+    The KV cache, the last logits and the token generator are this call's own, so the tokens
+    and logprobs are the same whether or not it is called.
     """
     from transformers import DynamicCache
 
@@ -99,7 +105,9 @@ def generate(
     sequences = [Sequence() for _ in rows]
     done = torch.zeros(len(rows), dtype=torch.bool)
     next_pos = positions[:, -1:] + 1
-    for _ in range(params.max_tokens):
+    for step in range(params.max_tokens):
+        if give_turn is not None and turn_steps > 0 and step > 0 and step % turn_steps == 0:
+            give_turn()
         logits = out.logits[:, -1, :].float()
         logprobs = torch.log_softmax(logits, dim=-1)
         chosen = _choose(logits, params, generator)

@@ -212,6 +212,21 @@ class TrainingSession(GeneratorOps):
         forward_only: bool,
         return_outputs: bool,
     ) -> dict[str, Any]:
+        """Through the resource's scheduler (`merge.py`: merged with other sessions' calls)
+        when it has one, else alone."""
+        scheduler = getattr(self.resource, "scheduler", None)
+        if scheduler is not None:
+            result = scheduler.run(self, prepared, fn, forward_only, return_outputs)
+            return cast(dict[str, Any], result)
+        return self._run_alone(prepared, fn, forward_only, return_outputs)
+
+    def _run_alone(
+        self,
+        prepared: list[PreparedSample],
+        fn: Callable[[LossInputs, MicroBatch], LossOutputs],
+        forward_only: bool,
+        return_outputs: bool,
+    ) -> dict[str, Any]:
         norm = loss_norm(prepared)
         batches = self._pack(prepared)
         with self._running(), self.policy.training(train=not forward_only):

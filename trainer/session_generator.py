@@ -20,10 +20,15 @@ import torch
 
 from trainer import sampler
 from trainer.errors import invalid
+from trainer.policy import cuda_devices
+from trainer.sample_batch import SampleJob, batcher_for
 from trainer.specs import ModelInput, SamplingParams
+from trainer.turns import TurnLock
 
 if TYPE_CHECKING:
     from trainer.handle import ResourceHandle
+    from trainer.options import EngineOptions
+    from trainer.placement import Communicator
     from trainer.policy import Policy
 
 SYNC_TYPES = (
@@ -60,6 +65,14 @@ class GeneratorOps(abc.ABC):
     resource: ResourceHandle
     policy: Policy
     versions: Versions
+    options: EngineOptions
+    active: bool
+    _cpu_rng: torch.Tensor  # the session's CPU RNG state between operations
+
+    @property
+    @abc.abstractmethod
+    def comm(self) -> Communicator:
+        """The ranks the session runs on."""
 
     @abc.abstractmethod
     def _running(self) -> contextlib.AbstractContextManager[Undo]:
@@ -110,47 +123,113 @@ class GeneratorOps(abc.ABC):
         params = sampling_params or SamplingParams()
         self._require_generator()
         prompts = self._check_prompts(model_inputs, num_samples, params, topk_prompt_logprobs)
-        stop_hit = self._stop_checker(params.stop)
+        job = SampleJob(
+            session=self,
+            prompts=prompts,
+            num_samples=num_samples,
+            params=params,
+            eos_ids=self.resource.eos_ids | set(params.stop_token_ids),
+            stop_hit=self._stop_checker(params.stop),
+            prompt_logprobs=prompt_logprobs,
+            topk_prompt_logprobs=topk_prompt_logprobs,
+        )
+        batcher = batcher_for(self)  # concurrent samples of other sessions: one batch
+        if batcher is not None:
+            return batcher.run(job)
+        return self._sample_alone(job)
+
+    def _sample_alone(self, job: SampleJob) -> dict[str, Any]:
         with self._running() as undo, self._resharding():
             self._apply_pending(undo)
             version = self.versions.applied_weights_version
             with self.policy.published() as model:
-                forward = self._model_forward(model)
                 groups = sampler.generate(
                     model,
-                    prompts,
-                    num_samples=num_samples,
-                    params=params,
-                    eos_ids=self.resource.eos_ids | set(params.stop_token_ids),
-                    stop_hit=stop_hit,
-                    seed=params.seed,
-                    forward=forward,
+                    job.prompts,
+                    num_samples=job.num_samples,
+                    params=job.params,
+                    eos_ids=job.eos_ids,
+                    stop_hit=job.stop_hit,
+                    seed=job.params.seed,
+                    forward=self._model_forward(model),
                     agree=self._agree_tokens,
+                    give_turn=self._turn_giver(),
+                    turn_steps=self.options.decode_steps_per_turn,
                 )
-                results = []
-                for prompt, group in zip(prompts, groups, strict=True):
-                    result: dict[str, Any] = {
-                        "sequences": [
-                            {
-                                "tokens": seq.tokens,
-                                "logprobs": seq.logprobs,
-                                "stop_reason": seq.stop_reason,
-                                "prompt_cache_hit_tokens": 0,
-                            }
-                            for seq in group
-                        ],
-                        "policy_segments": [{"start_token": 0, "version": version}],
+                return self._sample_results(job, groups, version, model)
+
+    def _sample_results(
+        self,
+        job: SampleJob,
+        groups: list[list[sampler.Sequence]],
+        version: int,
+        model: torch.nn.Module,
+    ) -> dict[str, Any]:
+        """The call's answer from its generated sequences (grouped by prompt), with prompt
+        logprobs computed on `model` (the published weights, active) when asked."""
+        results = []
+        forward = self._model_forward(model)
+        for prompt, group in zip(job.prompts, groups, strict=True):
+            result: dict[str, Any] = {
+                "sequences": [
+                    {
+                        "tokens": seq.tokens,
+                        "logprobs": seq.logprobs,
+                        "stop_reason": seq.stop_reason,
+                        "prompt_cache_hit_tokens": 0,
                     }
-                    if prompt_logprobs or topk_prompt_logprobs:
-                        lps, top = sampler.prompt_logprobs(
-                            model, prompt, topk_prompt_logprobs, forward=forward
-                        )
-                        if prompt_logprobs:
-                            result["prompt_logprobs"] = lps
-                        if topk_prompt_logprobs:
-                            result["topk_prompt_logprobs"] = top
-                    results.append(result)
+                    for seq in group
+                ],
+                "policy_segments": [{"start_token": 0, "version": version}],
+            }
+            if job.prompt_logprobs or job.topk_prompt_logprobs:
+                lps, top = sampler.prompt_logprobs(
+                    model, prompt, job.topk_prompt_logprobs, forward=forward
+                )
+                if job.prompt_logprobs:
+                    result["prompt_logprobs"] = lps
+                if job.topk_prompt_logprobs:
+                    result["topk_prompt_logprobs"] = top
+            results.append(result)
         return {"results": results}
+
+    def _turn_giver(self) -> Callable[[], None] | None:
+        """What generation calls every `decode_steps_per_turn` steps: if operations wait for
+        the compute lock (`trainer/turns.py`), they run now and the sample resumes after them.
+
+        What the sample relies on and another session's operation may change is put back on
+        resuming: its published adapter as the active one, eval mode (re-entering
+        `policy.published()`), and the global RNG state (its session's stream, which a model
+        load in between could draw from). The KV cache, the logits and the token generator are
+        the sample's own, and what they were computed from cannot change meanwhile: the base
+        weights are frozen (LoRA) or another resource's (a full-weight resource hosts one
+        session), and only this session's own operations change its published weights
+        (weights-sync, a pending publish, resume), and those wait behind this sample in the
+        session's FIFO (`SessionQueue`); a session is closed only from that queue too. So the
+        sequence comes from one weights version: `policy_segments` stays one segment.
+        Off (None) under torchrun: every rank must run the same operations in the same order,
+        and the command stream (`distributed/spmd.py`) runs one at a time anyway."""
+        lock = self.resource.lock
+        if (
+            not isinstance(lock, TurnLock)
+            or self.options.decode_steps_per_turn <= 0
+            or self.comm.world_size > 1
+        ):
+            return None
+        devices = cuda_devices()
+
+        def give_turn() -> None:
+            cpu = torch.get_rng_state()
+            cuda = [torch.cuda.get_rng_state(i) for i in devices]
+            if not lock.yield_turn():
+                return
+            torch.set_rng_state(cpu)
+            for i, state in zip(devices, cuda, strict=True):
+                torch.cuda.set_rng_state(state, i)
+            with self.policy.published():
+                pass  # activates the published weights again, in eval mode
+
+        return give_turn
 
     def _model_forward(self, model: torch.nn.Module) -> Callable[..., Any]:
         """How generation calls the model: through the placement (the FSDP root, sharded)."""

@@ -35,6 +35,11 @@ KNOBS: dict[tuple[str, str], tuple[Any, Any]] = {
     ("engine", "chunk_tokens"): (8, 4),
     ("engine", "activation_checkpointing"): (True, False),
     ("engine", "logprob_backend"): ("liger", "ours"),
+    ("engine", "merge"): (False, True),
+    ("engine", "merge_window_ms"): (5.0, 7.5),
+    ("engine", "merge_max_tokens"): (1024, 2048),
+    ("engine", "decode_steps_per_turn"): (4, 0),
+    ("engine", "batch_samples"): (False, True),
     ("distributed", "cpu_offload"): (True, False),
     ("distributed", "collective_timeout_s"): (8.5, 42.0),
 }

@@ -17,7 +17,7 @@ from fastapi import Depends, FastAPI
 from fastapi.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from trainer.api import routes_ops, routes_resources, routes_sessions
+from trainer.api import routes_metrics, routes_ops, routes_resources, routes_sessions
 from trainer.api.auth import BearerAuth
 from trainer.api.errors import ApiError, install_handlers
 from trainer.api.ids import check_path_ids
@@ -150,7 +150,7 @@ def create_app(worker: Worker, token: str | None) -> FastAPI:
     app.add_middleware(ControlBodyLimit)
     app.add_middleware(DoubleVersionPrefix)
     auth = [Depends(BearerAuth(token)), Depends(check_path_ids)]
-    for module in (routes_resources, routes_sessions, routes_ops):
+    for module in (routes_resources, routes_sessions, routes_ops, routes_metrics):
         app.include_router(module.router, prefix="/v1", dependencies=auth)
     files = [Depends(check_path_ids)]
     app.include_router(routes_resources.files_router, dependencies=files)
