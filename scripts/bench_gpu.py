@@ -3,6 +3,7 @@
     python scripts/bench_gpu.py                  # one CUDA GPU, well under 5 minutes
     python scripts/bench_gpu.py --grad-ckpt      # with activation checkpointing
     python scripts/bench_gpu.py --tiny           # CPU smoke check of the same code path
+    python scripts/bench_gpu.py --merge-only     # only the merged-vs-serial row (issue 14)
 
 Each mode builds the model from a config (random weights, no download) directly on the device,
 packs mixed-length samples (256–2048 tokens) into one 16,384-token micro-batch, and times
@@ -11,6 +12,15 @@ forward + chunked logprob head + backward + AdamW steps: the engine's own pieces
 and `packed_sdpa` otherwise. MFU = model FLOPs / time / the GPU's dense bf16 peak, with model
 FLOPs = 6·N·T (full) or 4·N·T + 6·N_lora·T (LoRA) + 6·layers·q_dim·Σ sᵢ² (causal attention).
 Prints one table.
+
+Then the merged-vs-serial row (issue 14): one LoRA resource of the engine (`ModelResource`, the
+same model saved and loaded as a worker does) with `--merge-sessions` sessions (default 8),
+each sending forward-backward calls of `--merge-samples` x `--merge-tokens` tokens (default
+4 x 32, cross entropy). Merged: every session on its own thread, a round's calls sent at once
+(`[engine] merge` on, the default window), so the scheduler runs them as one pass. Serial: the
+same calls one at a time on a twin resource with merging off. The arms alternate round by
+round; medians of the rounds' times. Prints a second table: calls/s of each arm, the ratio, and
+the scheduler's counters (calls of the merged arm that missed the window ran alone, and show there).
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ if str(ROOT) not in sys.path:
 from trainer.batch import PACKED_SDPA, PreparedSample, pack, use_packed_sdpa  # noqa: E402
 from trainer.bench.shapes import ModelShape, qwen3_config  # noqa: E402
 from trainer.logprobs import token_logprobs  # noqa: E402
+from trainer.tiny import TinySpec  # noqa: E402
 
 QWEN3_06B = ModelShape(
     hidden=1024, intermediate=3072, layers=28, heads=16, kv_heads=8, head_dim=128
@@ -176,6 +187,156 @@ def run_mode(
     return Result(mode, tokens, step_s, float(dense * tokens + attention), memory)
 
 
+@dataclass
+class MergeResult:
+    sessions: int
+    call_tokens: int
+    serial_s: float  # median time of a round (one call per session)
+    merged_s: float
+    counters: dict[str, int]
+    calls: int  # calls of the merged arm, warm-up excluded
+
+    def row(self) -> str:
+        calls = self.sessions
+        return (
+            f"| {self.sessions} x {self.call_tokens} | {calls / self.serial_s:,.1f} | "
+            f"{calls / self.merged_s:,.1f} | {self.serial_s / self.merged_s:.2f}x | "
+            f"{self.counters['merged_items']} of {self.calls} calls in "
+            f"{self.counters['merged_passes']} merged passes |"
+        )
+
+
+def run_merge(
+    shape: TinySpec,
+    device: torch.device,
+    sessions: int,
+    samples: int,
+    tokens: int,
+    rounds: int,
+    lora_rank: int,
+    merge_window_ms: float | None = None,
+) -> MergeResult:
+    """Merged vs serial forward-backward calls of `sessions` LoRA sessions (see the docstring)."""
+    import statistics
+    import tempfile
+    import threading
+
+    from trainer.checkpoints import CheckpointStore
+    from trainer.options import EngineOptions
+    from trainer.resource import ModelResource
+    from trainer.specs import (
+        LoraConfig,
+        LossConfig,
+        ModelEntry,
+        ResourceSpec,
+        Sample,
+        SessionSpec,
+    )
+    from trainer.tiny import save_model
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_gpu_merge_"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model_dir = save_model(shape, tmp / "model", dtype=dtype)
+    entry = ModelEntry(
+        name="m",
+        location=str(model_dir),
+        max_seq_length=max(512, tokens + 1),
+        max_lora_rank=max(64, lora_rank),
+        dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+    )
+    spec = ResourceSpec.model_validate({"base_model": "m", "lora_enabled": True})
+
+    def resource(name: str, options: EngineOptions) -> Any:
+        built = ModelResource(
+            entry, spec, CheckpointStore(tmp / name), device=str(device), options=options
+        )
+        for i in range(sessions):
+            lora = LoraConfig(rank=lora_rank, alpha=2 * lora_rank, seed=i)
+            built.create_session(f"s{i}", SessionSpec(lora_config=lora))
+        return built
+
+    gen = torch.Generator().manual_seed(2)
+    batches = []
+    for _ in range(sessions):
+        batch = []
+        for _ in range(samples):
+            seq = torch.randint(2, shape.vocab, (tokens + 1,), generator=gen).tolist()
+            batch.append(
+                Sample.model_validate(
+                    {
+                        "model_input": {"chunks": [{"encoded_text": {"tokens": seq[:-1]}}]},
+                        "loss_fn_inputs": {
+                            "target_tokens": {"data": seq[1:], "dtype": "int64"},
+                            "weights": {"data": [1.0] * tokens, "dtype": "float32"},
+                        },
+                    }
+                )
+            )
+        batches.append(batch)
+    ce = LossConfig(type="LOSS_TYPE_CROSS_ENTROPY")
+    merged_options = EngineOptions()
+    if merge_window_ms is not None:
+        merged_options = EngineOptions(merge_window_ms=merge_window_ms)
+    merged = resource("merged", merged_options)
+    serial = resource("serial", EngineOptions(merge=False))
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def serial_round() -> float:
+        start = time.perf_counter()
+        for session, batch in zip(serial.sessions.values(), batches, strict=True):
+            session.forward_backward(ce, batch)
+        sync()
+        return time.perf_counter() - start
+
+    def merged_round() -> float:
+        barrier = threading.Barrier(sessions + 1)
+        errors: list[BaseException] = []
+
+        def call(session: Any, batch: list[Any]) -> None:
+            barrier.wait()
+            try:
+                session.forward_backward(ce, batch)
+            except BaseException as exc:  # re-raised below: a failed arm is no figure
+                errors.append(exc)
+
+        threads = [
+            threading.Thread(target=call, args=pair)
+            for pair in zip(merged.sessions.values(), batches, strict=True)
+        ]
+        for thread in threads:
+            thread.start()
+        barrier.wait()
+        start = time.perf_counter()
+        for thread in threads:
+            thread.join()
+        sync()
+        if errors:
+            raise errors[0]
+        return time.perf_counter() - start
+
+    merged_round(), serial_round()  # warm-up
+    before = dict(merged.scheduler.counters())
+    serial_times, merged_times = [], []
+    for _ in range(rounds):
+        serial_times.append(serial_round())
+        merged_times.append(merged_round())
+    after = merged.scheduler.counters()
+    counters = {k: after[k] - before[k] for k in ("passes", "merged_passes", "merged_items")}
+    merged.close()
+    serial.close()
+    return MergeResult(
+        sessions,
+        samples * tokens,
+        statistics.median(serial_times),
+        statistics.median(merged_times),
+        counters,
+        sessions * rounds,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny model on CPU: a smoke check")
@@ -186,6 +347,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--chunk-tokens", type=int, default=4096)
     parser.add_argument("--grad-ckpt", action="store_true")
     parser.add_argument("--peak-tflops", type=float, help="dense bf16 peak of this GPU")
+    parser.add_argument("--merge-only", action="store_true", help="only the merged-vs-serial row")
+    parser.add_argument("--no-merge", action="store_true", help="skip the merged-vs-serial row")
+    parser.add_argument("--merge-sessions", type=int, default=8)
+    parser.add_argument("--merge-samples", type=int, default=4)
+    parser.add_argument("--merge-tokens", type=int, default=32)
+    parser.add_argument("--merge-rounds", type=int, default=10)
+    parser.add_argument("--merge-window-ms", type=float, help="default: the engine's")
     args = parser.parse_args(argv)
     if args.tiny:
         device, shape = torch.device("cpu"), TINY
@@ -198,17 +366,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokens, steps, warmup = args.tokens, args.steps, args.warmup
     peak = peak_flops(device, args.peak_tflops)
     results = []
-    for rank in (None, args.lora_rank):
+    for rank in () if args.merge_only else (None, args.lora_rank):
         mode_args = (steps, warmup, args.grad_ckpt, args.chunk_tokens)
         results.append(run_mode(shape, device, tokens, rank, *mode_args))
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the previous mode's model is gone once run_mode returns
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (tiny)"
     print(f"{name}; {shape.describe()}; bf16; peak {peak / 1e12:.1f} TFLOP/s")
-    print("| mode | tokens | step | tokens/s | TFLOP/s | MFU | peak GPU mem (GB) |")
-    print("|---|---|---|---|---|---|---|")
+    if results:
+        print("| mode | tokens | step | tokens/s | TFLOP/s | MFU | peak GPU mem (GB) |")
+        print("|---|---|---|---|---|---|---|")
     for result in results:
         print(result.row(peak))
+    if not args.no_merge:
+        rounds = 2 if args.tiny else args.merge_rounds
+        merge = run_merge(
+            shape,
+            device,
+            args.merge_sessions,
+            args.merge_samples,
+            args.merge_tokens,
+            rounds,
+            args.lora_rank,
+            args.merge_window_ms,
+        )
+        title = f"merged vs serial forward-backward, LoRA r{args.lora_rank}"
+        print(f"\n{title}, medians of {rounds} rounds")
+        print(
+            "| sessions x tokens/call | serial calls/s | merged calls/s | merged/serial | merged |"
+        )
+        print("|---|---|---|---|---|")
+        print(merge.row())
     return 0
 
 

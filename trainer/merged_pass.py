@@ -18,8 +18,18 @@ in the order a solo call draws them, and keeps the state it ends in only when it
 completes. On CPU with a varlen attention (one packed row per call) these are the solo masks
 bit for bit, which is where the scheduler allows merging a session with dropout.
 
-Used only where the scheduler (`trainer/merge.py`) allows it: one process, LoRA, no dropout in
-the model's own config, each call fits in one micro-batch.
+Any world size (one engine path): each rank runs its share of each call's samples
+(`split_by_tokens`, as a solo call does), the decoder and head run through the placement (the
+FSDP root under torchrun), the per-call reports are exchanged in one collective and each
+call's failure is global, and each call's replicated LoRA gradients are summed over ranks
+before its finite check. Under torchrun every call of the pass takes part on every rank (a
+rank holding none of its samples runs one masked token with its adapter), and a zero `link`
+over every call's positions joins the backward, so that every rank's backward reaches the
+same FSDP units. In one process these are identities.
+
+Used only where a scheduler allows it: `trainer/merge.py` in one process,
+`trainer/distributed/merged.py` under torchrun (LoRA, no dropout in the model's own config,
+each call fits in one micro-batch).
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainer import optim
 from trainer.batch import LossNorm, MicroBatch, PreparedSample, _build, is_varlen, pack
 from trainer.errors import OperationError
 from trainer.logprobs import token_logprobs
@@ -41,6 +52,7 @@ from trainer.rounds import (
     collect_outputs,
     merge_reports,
     new_sums,
+    split_by_tokens,
 )
 
 if TYPE_CHECKING:
@@ -71,6 +83,8 @@ class WorkItem:
     outputs: dict[int, list[float]] = field(default_factory=dict)
     loss: float = 0.0
     rng: torch.Generator | None = None  # the session's CPU stream, for its dropout draws
+    local: list[PreparedSample] = field(default_factory=list)  # this rank's share
+    reports: list[dict[str, Any]] = field(default_factory=list)  # every rank's, after the pass
 
     @property
     def tokens(self) -> int:
@@ -118,8 +132,9 @@ def merged_batch(
     spans: list[tuple[int, int]] = []  # row range per item
     offset = 0
     for item in items:
-        relabeled = [replace(s, index=offset + s.index) for s in item.prepared]
-        offset += len(item.prepared)
+        samples = item.local or [_masked_token()]
+        relabeled = [replace(s, index=offset + s.index) for s in samples]
+        offset += 1 + max(s.index for s in samples)
         first = len(rows)
         rows.extend(rows_of(relabeled, row_tokens))
         spans.append((first, len(rows)))
@@ -129,6 +144,12 @@ def merged_batch(
     for length in batch.row_lengths:
         starts.append(starts[-1] + (length if varlen else width))
     return batch, [(starts[a], starts[b]) for a, b in spans]
+
+
+def _masked_token() -> PreparedSample:
+    """A rank's stand-in for a call with no sample here: one token, no loss, no output."""
+    one = torch.zeros(1, dtype=torch.long)
+    return PreparedSample(index=0, tokens_T=one, targets_T=one, mask_T=torch.zeros(1))
 
 
 @contextlib.contextmanager
@@ -174,10 +195,12 @@ def _require_grads(peft: Any, adapters: set[str]) -> None:
 
 def run_merged(items: list[WorkItem]) -> None:
     """Run the items (all forward-only, or all forward-backward; distinct sessions of one
-    resource) as one pass under the resource lock; each item gets its result or its error."""
+    resource) as one pass under the resource lock; each item gets its result or its error.
+    Under torchrun every rank calls this with the same items (each on its own replicas)."""
     from trainer.multilora import Segment, segmented
 
     resource = items[0].session.resource
+    comm = resource.comm
     forward_only = items[0].forward_only
     with resource.lock:
         live = []
@@ -189,6 +212,8 @@ def run_merged(items: list[WorkItem]) -> None:
                 item.fail(OperationError("SESSION_NOT_ACTIVE", f"session {sid} is not running"))
         if not live:
             return
+        for item in live:
+            item.local = split_by_tokens(item.prepared, comm.world_size)[comm.rank]
         peft = live[0].session.policy.peft  # type: ignore[attr-defined]
         try:
             if not forward_only:
@@ -198,13 +223,18 @@ def run_merged(items: list[WorkItem]) -> None:
             peft.train(not forward_only)
             try:
                 with torch.set_grad_enabled(not forward_only):
-                    _forward(live, Segment, segmented, peft)
+                    model = live[0].session.policy.model
+                    seg = (Segment, segmented, peft)
+                    found = resource.placement.run(model, _forward, live, seg, comm.world_size)
+                    logprobs, entropies, link = found
+                    _losses(live, logprobs, entropies)
                     if not forward_only:
-                        _backward(live)
+                        _backward(live, link)
             finally:
                 peft.eval()
                 if forward_only:
                     resource.placement.reshard()
+            _settle(live, comm, forward_only)
             _finish(live)
         except BaseException as exc:
             for item in live:
@@ -214,10 +244,15 @@ def run_merged(items: list[WorkItem]) -> None:
                 item.fail(exc)
 
 
-def _forward(live: list[WorkItem], segment_cls: Any, segmented: Any, peft: Any) -> None:
+def _forward(
+    model: Any, live: list[WorkItem], seg: tuple[Any, Any, Any], world_size: int
+) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None], torch.Tensor | None]:
+    """Inside the placement: the decoder once over every item's rows, then the head per item
+    with its adapter. Per item: logprobs and entropy of its kept tokens here (None: no sample
+    here); and, under torchrun, the zero `link` over every item's positions."""
+    segment_cls, segmented, peft = seg
     session = live[0].session
     options = session.options
-    model = session.policy.model
     device = session.device
     forward_only = live[0].forward_only
     attn = model.config._attn_implementation
@@ -235,21 +270,50 @@ def _forward(live: list[WorkItem], segment_cls: Any, segmented: Any, peft: Any) 
     hidden_N_H = hidden.reshape(-1, hidden.shape[-1])
     head = model.get_output_embeddings()
     start = 0
-    for item in live:
-        solo = pack(item.prepared, row_tokens=options.row_tokens, token_budget=item.tokens)
-        item.batch = solo[0]
-        kept = int(item.batch.keep_index_P.shape[0])
-        index = keep_P[start : start + kept]
-        start += kept
+    logprobs: list[torch.Tensor | None] = []
+    entropies: list[torch.Tensor | None] = []
+    links: list[torch.Tensor] = []
+    for item, (first, _) in zip(live, spans):
+        logprobs_P = entropy_P = None
         with head_adapter(head, item.adapter), _global_rng(item.rng):
-            logprobs_P, entropy_P = token_logprobs(
-                hidden_N_H[index],
-                head,
-                item.batch.targets_P.to(device),
-                chunk_tokens=options.chunk_tokens,
-                with_entropy=forward_only,
-                backend=options.logprob_backend,
-            )
+            if item.local:
+                solo = pack(item.local, row_tokens=options.row_tokens, token_budget=item.tokens)
+                item.batch = solo[0]
+                kept = int(item.batch.keep_index_P.shape[0])
+                index = keep_P[start : start + kept]
+                start += kept
+                logprobs_P, entropy_P = token_logprobs(
+                    hidden_N_H[index],
+                    head,
+                    item.batch.targets_P.to(device),
+                    chunk_tokens=options.chunk_tokens,
+                    with_entropy=forward_only,
+                    backend=options.logprob_backend,
+                )
+            if world_size > 1 and torch.is_grad_enabled():
+                if logprobs_P is not None and logprobs_P.numel() > 0:
+                    links.append(logprobs_P.sum() * 0.0)
+                else:  # as `batch_logprobs` does for a batch that keeps no token
+                    zero = torch.zeros(1, dtype=torch.long, device=device)
+                    one, _ = token_logprobs(hidden_N_H[first : first + 1], head, zero)
+                    links.append(one.sum() * 0.0)
+        logprobs.append(logprobs_P)
+        entropies.append(entropy_P)
+    link = None
+    for part in links:
+        link = part if link is None else link + part
+    return logprobs, entropies, link
+
+
+def _losses(
+    live: list[WorkItem],
+    logprobs: list[torch.Tensor | None],
+    entropies: list[torch.Tensor | None],
+) -> None:
+    """Each item's loss on its own logprobs, with its call-level norm (as a solo call)."""
+    for item, logprobs_P, entropy_P in zip(live, logprobs, entropies):
+        if logprobs_P is None or item.batch is None:
+            continue  # no sample of this call on this rank
         out, failure = item.session._loss(item.fn, item.batch, logprobs_P, item.norm, None)
         item.out, item.failure = out, failure
         if out is not None:
@@ -262,16 +326,38 @@ def _forward(live: list[WorkItem], segment_cls: Any, segmented: Any, peft: Any) 
             collect_outputs(item.batch, logprobs_P.detach().float().cpu(), item.outputs)
 
 
-def _backward(live: list[WorkItem]) -> None:
-    """One backward over the finite losses; then each item's new gradients are checked apart
-    and kept (added to its accumulated ones) or dropped."""
+def _backward(live: list[WorkItem], link: torch.Tensor | None) -> None:
+    """One backward over the finite losses (and the `link`, under torchrun)."""
     losses = [item.out.loss for item in live if item.out is not None and item.failure is None]
+    if link is not None:
+        losses.append(link)
     if losses:
         total = losses[0]
         for loss in losses[1:]:
             total = total + loss
         if total.requires_grad:
             total.backward()
+
+
+def _settle(live: list[WorkItem], comm: Any, forward_only: bool) -> None:
+    """Every rank's report of every item (one exchange): an item fails where any rank's part
+    of it failed. Then each remaining item's new gradients are summed over ranks and checked
+    apart, and kept (added to its accumulated ones) or dropped."""
+    mine = [
+        {"loss": item.loss, "sums": item.sums, "outputs": item.outputs, "failure": item.failure}
+        for item in live
+    ]
+    ranks = comm.all_gather_json(mine)
+    for k, item in enumerate(live):
+        item.reports = [reports[k] for reports in ranks]
+        failures = [r["failure"] for r in item.reports if r["failure"] is not None]
+        item.failure = failures[0] if failures else None
+    if forward_only:
+        return
+    for item in live:
+        if item.failure is None:
+            params = list(item.session.policy.trainable.values())
+            optim.sum_replicated_grads(params, comm)
     for item in live:  # every check first: nothing is kept until all are decided
         if item.failure is None:
             try:
@@ -294,6 +380,5 @@ def _finish(live: list[WorkItem]) -> None:
             continue
         if item.rng is not None:  # kept only when the call completes, as `_running` does
             item.session._cpu_rng = item.rng.get_state()
-        report = {"loss": item.loss, "sums": item.sums, "outputs": item.outputs, "failure": None}
-        total, sums, outputs = merge_reports([report])
+        total, sums, outputs = merge_reports(item.reports)
         item.result = call_result(total, sums, outputs if item.return_outputs else None, item.norm)

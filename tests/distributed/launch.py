@@ -29,9 +29,10 @@ def run_ranks(
     log_dir: Path,
     timeout_s: float,
     env: dict[str, str] | None = None,
+    module: str = "tests.distributed.spmd_case",
 ) -> list[RankResult]:
-    """Run `python -m tests.distributed.spmd_case ARGS` as `world_size` ranks; wait for all
-    (killing what is left at `timeout_s`)."""
+    """Run `python -m MODULE ARGS` (default `tests.distributed.spmd_case`) as `world_size`
+    ranks; wait for all (killing what is left at `timeout_s`)."""
     port = free_port()
     procs = []
     for rank in range(world_size):
@@ -49,7 +50,7 @@ def run_ranks(
             **(env or {}),
         }
         log = open(log_dir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
-        cmd = [sys.executable, "-m", "tests.distributed.spmd_case", *args]
+        cmd = [sys.executable, "-m", module, *args]
         procs.append((subprocess.Popen(cmd, cwd=ROOT, env=rank_env, stdout=log, stderr=log), log))
     deadline = time.monotonic() + timeout_s
     results = []

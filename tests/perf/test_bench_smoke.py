@@ -49,3 +49,4 @@ def test_bench_gpu_tiny_runs_on_cpu(capsys, monkeypatch) -> None:
     assert module.main(["--tiny"]) == 0
     out = capsys.readouterr().out
     assert "| full |" in out and "| LoRA r32 |" in out
+    assert "merged vs serial" in out and "| 8 x 128 |" in out  # the issue-14 row ran

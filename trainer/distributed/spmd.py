@@ -20,6 +20,7 @@ from trainer.api.operations import METHODS
 from trainer.checkpoints import CheckpointCorrupt, CheckpointRecord, CheckpointStore
 from trainer.distributed.comm import Comm, fault_point
 from trainer.distributed.follower_store import FollowerStore
+from trainer.distributed.merged import MERGED_OP, DistributedMerger, run_group
 from trainer.distributed.sharding import Sharded
 from trainer.errors import OperationError
 from trainer.resource import ModelResource
@@ -77,6 +78,8 @@ class Executor:
         op = command["op"]
         fault_point(op)
         if op == "load_resource":
+            for record in command.get("checkpoints", []):  # a verified `base_weights_ref`
+                self.follower_store.known[record["id"]] = _record_from_json(record)
             resource = ModelResource(
                 ModelEntry.model_validate(command["entry"]),
                 ResourceSpec.model_validate(command["spec"]),
@@ -99,6 +102,8 @@ class Executor:
         if op == "close_session":
             resource.close_session(command["session"])
             return None
+        if op == MERGED_OP:  # several sessions' calls in one pass (`merged.py`)
+            return run_group(resource, command["calls"], _session_op)
         session = resource.sessions[command["session"]]
         return _session_op(session, op, command["args"])
 
@@ -226,15 +231,26 @@ def run_worker(spmd: Spmd) -> int:
 class DistributedSession:
     """Rank 0's stand-in for a `TrainingSession`: each operation runs on every rank."""
 
-    def __init__(self, spmd: Spmd, resource_id: str, local: TrainingSession) -> None:
+    def __init__(
+        self,
+        spmd: Spmd,
+        resource_id: str,
+        local: TrainingSession,
+        merger: DistributedMerger | None = None,
+    ) -> None:
         self._spmd = spmd
         self._resource_id = resource_id
         self.local = local
         self.id = local.id
+        self._merger = merger
 
     def _forward(self, op: str, *args: Any, **kwargs: Any) -> Any:
-        """Run the session method `op` on every rank; rank 0's result."""
+        """Run the session method `op` on every rank; rank 0's result. A mergeable call may
+        share one pass with other sessions' calls (`merged.py`)."""
         encoded = encode_args(getattr(self.local, op), *args, **kwargs)
+        if self._merger is not None and self._merger.wants(self.local, op):
+            window = self.local.options.merge_window_ms
+            return self._merger.run(self.id, op, encoded, window)
         command = {"op": op, "resource": self._resource_id, "session": self.id, "args": encoded}
         return self._spmd.call(command)
 
@@ -261,15 +277,21 @@ class DistributedResource:
     ) -> None:
         self._spmd = spmd
         self.id = f"r-{uuid.uuid4().hex}"
-        command = {
+        command: dict[str, Any] = {
             "op": "load_resource",
             "resource": self.id,
             "entry": entry.model_dump(mode="json"),
             "spec": spec.model_dump(mode="json"),
+            "checkpoints": [],
         }
+        if spec.base_weights_ref:  # the other ranks read the merged model rank 0 verified
+            with contextlib.suppress(KeyError, CheckpointCorrupt):
+                record, _ = store.open(spec.base_weights_ref)
+                command["checkpoints"] = [record.to_json()]
         self.local = cast(ModelResource, spmd.call(command, store=store))
         self.lora = self.local.lora
         self.entry, self.spec, self.store = self.local.entry, self.local.spec, self.local.store
+        self.merger = DistributedMerger(self.id, self.local, spmd.call)
 
     def __getattr__(self, name: str) -> Any:  # has_generator, vocab_size, tokenizer, ...
         return getattr(self.local, name)
@@ -288,7 +310,7 @@ class DistributedResource:
             "checkpoints": checkpoints,
         }
         local = cast(TrainingSession, self._spmd.call(command))
-        return DistributedSession(self._spmd, self.id, local)
+        return DistributedSession(self._spmd, self.id, local, self.merger)
 
     def close_session(self, session_id: str) -> None:
         command = {"op": "close_session", "resource": self.id, "session": session_id}
