@@ -40,6 +40,13 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"))
 
 
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tied tiny Qwen3-MoE (every layer sparse: 4 experts, top-2, fused 3-D expert weights)."""
+    spec = TinySpec(arch="qwen3_moe", vocab=VOCAB, tied=True, scale=8.0)
+    return save_model(spec, tmp_path_factory.mktemp("tiny-qwen3-moe"))
+
+
 @pytest.fixture(params=["qwen3", "llama"])
 def tiny_model_dir(
     request: pytest.FixtureRequest, tiny_qwen_dir: Path, tiny_llama_dir: Path

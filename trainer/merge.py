@@ -14,10 +14,13 @@ solo path (`TrainingSession._run_alone`). Operations that change a session's wei
 thread under the lock, so they are barriers for that session only.
 
 A call runs alone (not through the combiner) when merging is off (`[engine] merge`), under
-torchrun or any placement other than `Plain` (merged passes do not go through the SPMD command
-stream yet), when the model's config has a dropout > 0, when its
+torchrun or any placement other than `Plain` (there rank 0's `trainer/distributed/merged.py`
+merges calls before they become commands, and every rank runs the same `run_merged`), when the
+model's config has a dropout > 0, when its
 session's LoRA has dropout > 0 and the pass would not draw that session's masks exactly as its
 solo call does (a device other than the CPU, or a padded attention: see `merged_pass.py`),
+when its LoRA adapts parameters rather than modules (an MoE model's fused experts, which
+`trainer.multilora.segmented` does not handle),
 when it needs more than one micro-batch or more than `merge_max_tokens`, when it keeps no
 token, or when its session is the resource's only live one.
 """
@@ -69,11 +72,15 @@ class MergeScheduler:
         options = session.options
         if not options.merge or not getattr(resource, "lora", False):
             return False
+        if any(s.routes is not None for s in prepared):
+            return False  # MoE routing replay (rule 12) runs in the solo pass only
         if resource.comm.world_size != 1 or not isinstance(resource.placement, Plain):
             return False
         config = getattr(session.policy, "config", None)
         if config is None:
             return False
+        if not getattr(session.policy, "segmentable", True):
+            return False  # LoRA on MoE experts: `segmented` handles module layers only
         if float(config.dropout) > 0 and not self._dropout_exact(session):
             return False
         if self._model_dropout is None:

@@ -19,6 +19,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer  # eager: see the module docstring
 
+from trainer.errors import invalid
 from trainer.specs import LoraConfig, ModelEntry
 from trainer.turns import TurnLock
 
@@ -190,6 +192,27 @@ def lora_target_modules(model: Any, train_unembed: bool) -> list[str]:
     return names
 
 
+def lora_target_parameters(model: Any) -> list[str]:
+    """The fused expert weights of the decoder's MoE blocks, for peft's `target_parameters`
+    (`experts.gate_up_proj`, `experts.down_proj` in transformers 5's Qwen3-MoE): every 3-D
+    parameter, named `<module leaf>.<parameter>`. Empty for a dense model. The router (a 2-D
+    parameter of its own module) is not among them. Sorted, so that peft nests its wrappers,
+    and names the adapter's keys, the same way on every load."""
+    decoder = model.get_decoder()
+    names = set()
+    for module_name, module in decoder.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            if param.dim() == 3:  # peft's wrappers (`.base_layer`) are not part of the name
+                leaf = unwrapped(module_name).rsplit(".", 1)[-1]
+                names.add(f"{leaf}.{param_name}")
+    return sorted(names)
+
+
+def unwrapped(path: str) -> str:
+    """A module path or parameter name without peft's (possibly nested) `.base_layer` parts."""
+    return re.sub(r"\.base_layer(?=\.|$)", "", path)
+
+
 def _is_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or type(module).__name__ == "Linear"
 
@@ -205,6 +228,15 @@ def _head_attr(model: Any) -> str:
 def peft_lora_config(model: Any, config: LoraConfig) -> Any:
     from peft import LoraConfig as PeftLoraConfig
 
+    experts = lora_target_parameters(model)
+    if experts and config.dropout > 0:
+        # peft's ParamWrapper (LoRA on a parameter) cannot apply dropout to its input
+        raise invalid(
+            "lora_config.dropout",
+            "LoRA dropout is not supported on mixture-of-experts models "
+            "(the expert weights are adapted as parameters); use 0",
+        )
+    extra: dict[str, Any] = {"target_parameters": experts} if experts else {}
     return PeftLoraConfig(
         r=config.rank,
         lora_alpha=config.alpha,
@@ -212,6 +244,7 @@ def peft_lora_config(model: Any, config: LoraConfig) -> Any:
         target_modules=lora_target_modules(model, config.train_unembed),
         bias="none",
         task_type="CAUSAL_LM",
+        **extra,
     )
 
 
@@ -250,7 +283,8 @@ def save_merged(
 
     `base` is the transformers model (possibly wrapped by peft; `.base_layer` names are
     unwrapped). `deltas` maps a module path (e.g. `model.layers.0.self_attn.q_proj`) to the
-    weight delta to add. If the output head receives a delta while tied to the input
+    weight delta to add, or a parameter's name (`model.layers.0.mlp.experts.down_proj`, a 3-D
+    expert stack) to its delta. If the output head receives a delta while tied to the input
     embeddings, the export is untied: the head gets its own weight and the config says so.
     """
     from safetensors.torch import save_file
@@ -261,9 +295,9 @@ def save_merged(
     for key, tensor in base.state_dict().items():
         if "lora_" in key:
             continue
-        state[key.replace(".base_layer.", ".")] = tensor
+        state[unwrapped(key)] = tensor  # nested wrappers too (peft's ParamWrapper on experts)
     for path, delta in deltas.items():
-        key = f"{path}.weight"
+        key = path if path in state else f"{path}.weight"  # a parameter's own name, or a module's
         state[key] = state[key] + delta.to(state[key].dtype)
     untie = tied and head_name in deltas
     if tied and not untie:

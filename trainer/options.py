@@ -25,6 +25,8 @@ COLLECTIVE_TIMEOUT_S = 600.0
 MERGE_WINDOW_MS = 2.0
 MERGE_MAX_TOKENS = 16384
 DECODE_STEPS_PER_TURN = 16
+ROUTES_TTL_S = 7200.0
+ROUTES_MAX_BYTES = 1 << 30
 
 LogprobBackend = Literal["ours", "liger"]
 
@@ -64,6 +66,14 @@ class EngineOptions(StrictSpec):
         default=DECODE_STEPS_PER_TURN,
         ge=0,
         description="a sample lets waiting operations run every N decode steps (0: never)",
+    )
+    routes_ttl_s: float = Field(
+        default=ROUTES_TTL_S, gt=0, description="MoE routing-replay keys expire after this long"
+    )
+    routes_max_bytes: int = Field(
+        default=ROUTES_MAX_BYTES,
+        ge=0,
+        description="bytes of routing-replay key files under <storage>/routes (oldest dropped)",
     )
 
 

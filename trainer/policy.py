@@ -28,6 +28,7 @@ from trainer.model import (
     is_tied,
     peft_lora_config,
     quiet_peft_warnings,
+    unwrapped,
 )
 from trainer.specs import LoraConfig
 
@@ -166,6 +167,12 @@ class LoraPolicy(Policy):
             for n, p in self.peft.named_parameters()
             if f".{self.pub_name}." in n
         }
+        self.expert_factors = self._expert_factors()
+        # LoRA on parameters (peft's ParamWrapper: an MoE block's fused experts) is beyond
+        # `trainer.multilora.segmented` (merged passes, batched samples): such sessions run alone
+        self.segmentable = not any(
+            hasattr(m, "parameter_name") and name in m.lora_A for m in self.peft.modules()
+        )
         self.trainable_requires_grad()
         self.publish()
 
@@ -214,11 +221,31 @@ class LoraPolicy(Policy):
         return json.loads(json.dumps(config, default=_jsonable))
 
     def lora_deltas(self) -> dict[str, torch.Tensor]:
+        """Module path -> weight delta; for LoRA on a parameter (an MoE block's fused 3-D
+        experts), the parameter's own name (`model.layers.0.mlp.experts.down_proj`)."""
         deltas = {}
         for path, module in self.model.named_modules():
             if hasattr(module, "lora_A") and self.name in module.lora_A:
+                parameter = getattr(module, "parameter_name", None)
+                if parameter is not None:
+                    path = f"{unwrapped(path)}.{parameter}"
                 deltas[path] = module.get_delta_weight(self.name).detach()
         return deltas
+
+    def _expert_factors(self) -> dict[str, int]:
+        """Canonical name -> number of experts, for the LoRA factors of fused expert stacks
+        (peft's ParamWrapper: `lora_A` is (experts·r, in), `lora_B` is (out, r·experts))."""
+        suffix = f".{self.name}."
+        out: dict[str, int] = {}
+        for path, module in self.peft.named_modules():
+            experts = getattr(module, "num_experts", None)
+            if getattr(module, "parameter_name", None) is None or experts is None:
+                continue
+            if experts > 1 and self.name in module.lora_A:
+                for kind in ("lora_A", "lora_B"):
+                    for name, _ in getattr(module, kind)[self.name].named_parameters():
+                        out[f"{path}.{kind}{suffix}{name}".replace(suffix, ".")] = experts
+        return out
 
     def export_parts(self) -> tuple[Any, dict[str, torch.Tensor], Any]:
         adapter = (self.adapter_state(), self.peft_config_dict())

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from trainer import training_state
+from trainer import base_weights, training_state
 from trainer.checkpoints import INFERENCE, CheckpointCorrupt, CheckpointStore
 from trainer.errors import OperationError, invalid
 from trainer.merge import MergeScheduler
@@ -74,6 +74,9 @@ class ModelResource:
         self._adapters = 0
         self._base_dirty = False
         self._base_tied = is_tied(self.model)
+        self._base_dir: Path | None = None  # None: the catalogue entry's own weights
+        if spec.base_weights_ref:  # an inference checkpoint's merged model instead (§7)
+            self._use_base_weights(spec.base_weights_ref)
         head = self.model.get_output_embeddings()
         self.vocab_size = int(head.weight.shape[0])
         eos = getattr(self.model.generation_config, "eos_token_id", None)
@@ -162,14 +165,34 @@ class ModelResource:
                 f"{self.entry.max_lora_rank} of {self.entry.name}",
             )
 
+    def _use_base_weights(self, ref: str) -> None:
+        """Train from inference checkpoint `ref`'s merged model: checked against the loaded
+        architecture, its head untied when the export's is, then copied in."""
+        if self.lora:
+            raise base_weights.RefError("a LoRA resource trains on its base model's own weights")
+        config = self.model.config.to_dict()
+        self._base_dir = base_weights.merged_dir(self.store, ref, self.entry.name, config)
+        if self._base_tied and not base_weights.is_tied(base_weights.read_config(self._base_dir)):
+            if self.comm.world_size > 1:  # FSDP2 holds the tied parameter: no new one now
+                raise base_weights.RefError(
+                    f"checkpoint {ref} has its own output head and {self.entry.name} ties it "
+                    "to the embeddings: not supported with more than one rank"
+                )
+            _untie_head(self.model)
+            self._base_tied = False
+        self._reload_base()
+
     def _reload_base(self) -> None:
         if self._base_tied and not is_tied(self.model):
             _retie_head(self.model)
-        weights = read_model_weights(local_dir(self.entry.location, self.entry.revision))
+        source = self._base_dir or local_dir(self.entry.location, self.entry.revision)
+        weights = read_model_weights(source)
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, param in params.items():
-                value = weights[name] if name in weights else weights[tied_source(name)]
+                value = weights.get(name, weights.get(tied_source(name)))
+                if value is None or value.shape != param.shape:
+                    raise ValueError(f"{source}: no weight {name} of shape {tuple(param.shape)}")
                 param.copy_(layout_like(param, value, cast=False))
 
     def _resume_checkpoint(self, session_id: str, spec: SessionSpec) -> TrainingSession:

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from trainer import routing
 from trainer.errors import OperationError
 from trainer.placement import Plain
 from trainer.sampler import STOP_STOP, Sequence, _cache_kwarg, _choose
@@ -68,6 +69,7 @@ class SampleJob:
     stop_hit: Callable[[list[int]], bool] | None
     prompt_logprobs: bool
     topk_prompt_logprobs: int
+    return_routed_experts: bool = False
     result: dict[str, Any] | None = None
     error: BaseException | None = None
     taken: bool = False
@@ -97,6 +99,8 @@ def batcher_for(session: GeneratorOps) -> SampleBatcher | None:
         return None
     if not isinstance(resource.lock, TurnLock) or not hasattr(session.policy, "pub_name"):
         return None
+    if not getattr(session.policy, "segmentable", True):
+        return None  # LoRA on MoE experts: `segmented` handles module layers only
     if resource.lock.held_here():
         return None  # a caller holding the lock: another combiner could not take it
     sessions = list(getattr(resource, "sessions", {}).values())  # one C call: a snapshot
@@ -211,7 +215,15 @@ class SampleBatcher:
             for job in jobs:
                 started.append(job)
                 _begin(job)
-            groups = generate_joint(jobs[0].session.policy.model, jobs, self._turn_giver(jobs[0]))
+            model = jobs[0].session.policy.model
+            rows = sum(job.rows for job in jobs)
+            wanted = any(job.return_routed_experts for job in jobs)
+            with routing.recording(model, rows, wanted) as recorder:  # MoE routes (rule 12)
+                give_turn = routing.pausing(recorder, self._turn_giver(jobs[0]))
+                groups = generate_joint(model, jobs, give_turn)
+            if recorder is not None:
+                wants = [job.return_routed_experts for job in jobs]
+                routing.assign(recorder, [job.prompts for job in jobs], groups, wants)
             results = []
             for job, group in zip(jobs, groups, strict=True):
                 session = job.session

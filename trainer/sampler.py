@@ -26,6 +26,7 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     stop_reason: str = STOP_LENGTH
+    routes: torch.Tensor | None = None  # MoE expert ids when recorded (`trainer/routing.py`)
 
 
 def _choose(

@@ -60,6 +60,8 @@ from trainer.rounds import (
     new_sums,
     split_by_tokens,
 )
+from trainer.route_keys import attach_routes
+from trainer.routing import replaying
 from trainer.session_generator import GeneratorOps, Undo, Versions
 from trainer.specs import (
     AdamParams,
@@ -92,7 +94,11 @@ class TrainingSession(GeneratorOps):
     def __post_init__(self) -> None:
         config = self.resource.spec.optimizer_config
         self.optimizer: torch.optim.Optimizer = (
-            new_muon(self.policy.trainable, config["muon"]["scaling_strategy"])
+            new_muon(
+                self.policy.trainable,
+                config["muon"]["scaling_strategy"],
+                getattr(self.policy, "expert_factors", None),  # LoRA on MoE experts
+            )
             if optimizer_kind(config) == "muon"
             else optim.new_adamw(list(self.policy.trainable.values()))
         )
@@ -149,7 +155,7 @@ class TrainingSession(GeneratorOps):
         gradients: list[Gradient] | None = None,
     ) -> list[PreparedSample]:
         entry = self.resource.entry
-        return prepare_samples(
+        prepared = prepare_samples(
             samples,
             vocab_size=self.resource.vocab_size,
             max_seq_length=entry.max_seq_length,
@@ -158,6 +164,8 @@ class TrainingSession(GeneratorOps):
             weights_are_mask=weights_are_mask,
             gradients=gradients,
         )
+        attach_routes(self, samples, prepared)  # MoE routing replay (rule 12)
+        return prepared
 
     # -- forward / backward ----------------------------------------------------------------
 
@@ -330,18 +338,19 @@ class TrainingSession(GeneratorOps):
         """Logprobs (entropy) of the kept tokens, and the `link` that makes a backward reach
         every parameter, computed the same way whatever the placement (packed varlen
         attention, no `[rows, L, L]` mask, when the model's attention takes it)."""
-        return cast(
-            tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
-            self.resource.placement.run(
-                self.policy.model,
-                batch_logprobs,
-                batch,
-                self.device,
-                self.options.chunk_tokens,
-                with_entropy,
-                backend=self.options.logprob_backend,
-            ),
-        )
+        with replaying(self.policy.model, batch):  # a keyed sample's recorded experts
+            return cast(
+                tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
+                self.resource.placement.run(
+                    self.policy.model,
+                    batch_logprobs,
+                    batch,
+                    self.device,
+                    self.options.chunk_tokens,
+                    with_entropy,
+                    backend=self.options.logprob_backend,
+                ),
+            )
 
     def _loss_inputs(self, batch: MicroBatch, logprobs_P: torch.Tensor, norm: Any) -> LossInputs:
         device = logprobs_P.device

@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer import sampler
+from trainer import routing, sampler
 from trainer.errors import invalid
 from trainer.policy import cuda_devices
+from trainer.route_keys import issue_keys
 from trainer.sample_batch import SampleJob, batcher_for
 from trainer.specs import ModelInput, SamplingParams
 from trainer.turns import TurnLock
@@ -119,6 +120,7 @@ class GeneratorOps(abc.ABC):
         sampling_params: SamplingParams | None = None,
         prompt_logprobs: bool = False,
         topk_prompt_logprobs: int = 0,
+        return_routed_experts: bool = False,
     ) -> dict[str, Any]:
         params = sampling_params or SamplingParams()
         self._require_generator()
@@ -132,6 +134,7 @@ class GeneratorOps(abc.ABC):
             stop_hit=self._stop_checker(params.stop),
             prompt_logprobs=prompt_logprobs,
             topk_prompt_logprobs=topk_prompt_logprobs,
+            return_routed_experts=return_routed_experts,
         )
         batcher = batcher_for(self)  # concurrent samples of other sessions: one batch
         if batcher is not None:
@@ -142,7 +145,10 @@ class GeneratorOps(abc.ABC):
         with self._running() as undo, self._resharding():
             self._apply_pending(undo)
             version = self.versions.applied_weights_version
-            with self.policy.published() as model:
+            with (
+                self.policy.published() as model,
+                routing.recording(model, job.rows, job.return_routed_experts) as recorder,
+            ):
                 groups = sampler.generate(
                     model,
                     job.prompts,
@@ -153,9 +159,11 @@ class GeneratorOps(abc.ABC):
                     seed=job.params.seed,
                     forward=self._model_forward(model),
                     agree=self._agree_tokens,
-                    give_turn=self._turn_giver(),
+                    give_turn=routing.pausing(recorder, self._turn_giver()),
                     turn_steps=self.options.decode_steps_per_turn,
                 )
+                if recorder is not None:  # MoE routes (rule 12)
+                    routing.assign(recorder, [job.prompts], [groups], [True])
                 return self._sample_results(job, groups, version, model)
 
     def _sample_results(
@@ -170,6 +178,7 @@ class GeneratorOps(abc.ABC):
         results = []
         forward = self._model_forward(model)
         for prompt, group in zip(job.prompts, groups, strict=True):
+            keys = issue_keys(self, prompt, group)
             result: dict[str, Any] = {
                 "sequences": [
                     {
@@ -177,8 +186,9 @@ class GeneratorOps(abc.ABC):
                         "logprobs": seq.logprobs,
                         "stop_reason": seq.stop_reason,
                         "prompt_cache_hit_tokens": 0,
+                        **({"routed_experts_key": key} if key else {}),
                     }
-                    for seq in group
+                    for seq, key in zip(group, keys, strict=True)
                 ],
                 "policy_segments": [{"start_token": 0, "version": version}],
             }

@@ -288,10 +288,37 @@ def _merge_adapter(
         module = key.removeprefix("base_model.model.").split(".lora_A.")[0]
         b = adapter[key.replace(".lora_A.", ".lora_B.")]
         target = f"{module}.weight"
-        if target not in merged:
-            raise ValueError(f"adapter module {module} is not in this model")
-        merged[target] = merged[target] + scale * (b.float() @ a.float()).to(merged[target].dtype)
+        if ".base_layer" in module or target not in merged:
+            target, delta = _expert_delta(merged, module, a.float(), b.float())
+        else:
+            delta = b.float() @ a.float()
+        merged[target] = merged[target] + (scale * delta).to(merged[target].dtype)
     return merged
+
+
+def _expert_delta(
+    merged: dict[str, torch.Tensor], module: str, a: torch.Tensor, b: torch.Tensor
+) -> tuple[str, torch.Tensor]:
+    """LoRA on a fused expert stack (peft's ParamWrapper, nested as `experts.base_layer…`):
+    the stack whose per-expert (out, in) matches the factors, and its (experts, out, in)
+    delta B_e @ A_e, with A (experts·r, in) and B (out, r·experts)."""
+    owner = module.replace(".base_layer", "")
+    stacks = [
+        name
+        for name, tensor in merged.items()
+        if name.rpartition(".")[0] == owner
+        and tensor.dim() == 3
+        and tuple(tensor.shape[1:]) == (b.shape[0], a.shape[1])
+    ]
+    if len(stacks) != 1:
+        raise ValueError(f"adapter module {module} is not in this model")
+    experts = merged[stacks[0]].shape[0]
+    if a.shape[0] % experts or b.shape[1] != a.shape[0]:
+        raise ValueError(f"adapter module {module}: factors do not fit {experts} experts")
+    delta = torch.einsum(
+        "ore,eri->eoi", b.view(b.shape[0], -1, experts), a.view(experts, -1, a.shape[1])
+    )
+    return stacks[0], delta
 
 
 def placeholder_record() -> CheckpointRecord:

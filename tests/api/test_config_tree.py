@@ -40,6 +40,8 @@ KNOBS: dict[tuple[str, str], tuple[Any, Any]] = {
     ("engine", "merge_max_tokens"): (1024, 2048),
     ("engine", "decode_steps_per_turn"): (4, 0),
     ("engine", "batch_samples"): (False, True),
+    ("engine", "routes_ttl_s"): (60.0, 30.5),
+    ("engine", "routes_max_bytes"): (4096, 8192),
     ("distributed", "cpu_offload"): (True, False),
     ("distributed", "collective_timeout_s"): (8.5, 42.0),
 }

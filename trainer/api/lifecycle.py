@@ -30,6 +30,7 @@ from trainer.api.store import (
     ResourceRow,
     WorkerStore,
 )
+from trainer.base_weights import FIELD, RefError, cached_config, check_ref
 from trainer.checkpoints import CheckpointStore
 from trainer.specs import ModelEntry, ResourceSpec
 
@@ -93,11 +94,7 @@ class ResourceManager:
                 "base_model",
             )
         if spec.base_weights_ref:
-            raise bad_request(
-                "base_weights_ref: this worker has no model registry; serve the weights as "
-                "their own --model entry instead",
-                "base_weights_ref",
-            )
+            self._check_base_weights(spec, entry)
         if ident is not None and self.store.get(ResourceRow, ident) is not None:
             raise failed_precondition(f"model resource {ident!r} already exists", "id")
         now = time.time()
@@ -123,6 +120,23 @@ class ResourceManager:
             target=self._load, args=(live,), name=f"load-{row.id}", daemon=True
         ).start()
         return row
+
+    def _check_base_weights(self, spec: ResourceSpec, entry: ModelEntry) -> None:
+        """`base_weights_ref` names one of our inference checkpoints with a merged model of
+        `entry`'s architecture (`trainer.base_weights`), else a 400 naming it. When the base
+        model's config is not on this machine yet, the loader compares against the loaded
+        model. Runs on the event loop: local files only, nothing downloaded."""
+        base_config = cached_config(entry.location, entry.revision)
+        try:
+            check_ref(
+                self.checkpoints,
+                spec.base_weights_ref or "",
+                spec.lora_enabled,
+                entry.name,
+                base_config,
+            )
+        except RefError as exc:
+            raise bad_request(str(exc), FIELD) from None
 
     def _load(self, live: LiveResource) -> None:
         with self.lock:

@@ -112,6 +112,7 @@ OPERATIONS: dict[str, Operation] = {
                 "sampling_params": b.sampling_params,
                 "prompt_logprobs": b.prompt_logprobs,
                 "topk_prompt_logprobs": b.topk_prompt_logprobs,
+                "return_routed_experts": b.return_routed_experts,
             },
             check=check_sample,
         ),

@@ -1,0 +1,71 @@
+"""Muon on a tiny Qwen3-MoE under two CPU ranks (gloo) equals one process (issue 15, rule 10):
+full weights under FSDP2 (each fused 3-D expert stack gathered, orthogonalised expert by
+expert, each rank keeping its shard) and LoRA with per-expert factors on the fused stacks
+(replicated). Losses, gradient norms, and the final training checkpoint's weights and
+optimizer state, as `test_muon_sharded` checks for dense models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.launch import run_ranks
+from tests.distributed.muon_scenario import drive_muon, muon_resource_spec
+from tests.distributed.scenario import OPTIONS, entry
+from tests.distributed.test_sharded import _checkpoint, _close
+from trainer.checkpoints import CheckpointStore
+from trainer.resource import ModelResource
+
+pytestmark = pytest.mark.distributed
+
+KINDS = ("full", "lora")
+STRATEGY = "MUON_SCALING_STRATEGY_ORIGINAL"
+
+
+@pytest.fixture(scope="module")
+def moe_runs(tiny_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    work = tmp_path_factory.mktemp("moe-dist")
+    storage = work / "storage"
+    store = CheckpointStore(storage)
+    one = {}
+    for kind in KINDS:
+        resource = ModelResource(
+            entry(str(tiny_moe_dir)),
+            muon_resource_spec(kind, STRATEGY),
+            store,
+            device="cpu",
+            options=OPTIONS,
+        )
+        one[kind] = drive_muon(resource, kind)
+        resource.close()
+    store.close()
+    ranks = run_ranks(
+        [
+            *("muon", "--model-dir", str(tiny_moe_dir), "--storage", str(storage)),
+            *("--out", str(work / "two.json")),
+        ],
+        world_size=2,
+        log_dir=work,
+        timeout_s=300.0,
+        env={"TRAINER_DIST_TIMEOUT_S": "60"},
+    )
+    for rank in ranks:
+        assert rank.returncode == 0, f"rank {rank.rank} exited {rank.returncode}:\n{rank.log}"
+    return storage, one, json.loads((work / "two.json").read_text())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_moe_two_ranks_equal_one_process(moe_runs, kind: str) -> None:
+    storage, one, two = moe_runs
+    for a_step, b_step in zip(one[kind]["steps"], two[kind]["steps"], strict=True):
+        assert all(_close(a, b) for a, b in zip(a_step, b_step, strict=True)), (one, two)
+    a = _checkpoint(storage, one[kind]["training"])
+    b = _checkpoint(storage, two[kind]["training"])
+    assert a.keys() == b.keys()
+    experts = [k for k in a if ".mlp.experts." in k and k.endswith("::momentum_buffer")]
+    assert experts, "the expert tensors are Muon's"
+    for key in a:
+        error = float((a[key].double() - b[key].double()).norm())
+        assert error <= 1e-4 * max(float(a[key].double().norm()), 1e-6), key
