@@ -27,12 +27,11 @@ token, or when its session is the resource's only live one.
 
 from __future__ import annotations
 
-import threading
-import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from trainer.batch import LossNorm, PreparedSample, is_varlen, loss_norm
+from trainer.combine import Combiner, one_per_session
 from trainer.merged_pass import LossFn, WorkItem, run_merged
 from trainer.placement import Plain
 
@@ -55,9 +54,7 @@ class MergeScheduler:
 
     def __init__(self, resource: Any) -> None:
         self.resource = resource
-        self._cond = threading.Condition()
-        self._pending: deque[WorkItem] = deque()
-        self._combining = False
+        self._combiner: Combiner[WorkItem] = Combiner()
         self._model_dropout: bool | None = None
         self.passes = 0  # passes run by the combiner (solo ones included)
         self.merged_passes = 0  # passes of more than one session
@@ -115,50 +112,18 @@ class MergeScheduler:
             return session._run_alone(prepared, fn, forward_only, return_outputs)
         norm: LossNorm = loss_norm(prepared)
         item = WorkItem(session, prepared, fn, norm, forward_only, return_outputs)
-        with self._cond:
-            self._pending.append(item)
-        while True:
-            with self._cond:
-                while self._combining and not item.done:
-                    self._cond.wait()
-                if item.done:
-                    break
-                self._combining = True
-            try:
-                window = session.options.merge_window_ms / 1000.0
-                if window > 0:
-                    time.sleep(window)
-                with self.resource.lock:
-                    with self._cond:
-                        taken = self._take(session.options.merge_max_tokens)
-                    self._execute(taken)
-            finally:
-                with self._cond:
-                    self._combining = False
-                    self._cond.notify_all()
+        budget = session.options.merge_max_tokens
+        self._combiner.submit(
+            item,
+            session.options.merge_window_ms / 1000.0,
+            lambda pending: one_per_session(pending, budget, lambda i: i.tokens),
+            self._execute,
+            hold=lambda: self.resource.lock,
+        )
         if item.error is not None:
             raise item.error
         assert item.result is not None
         return item.result
-
-    def _take(self, max_tokens: int) -> list[WorkItem]:
-        """Pending items in arrival order, one per session, while they fit in `max_tokens`
-        (the first always goes)."""
-        taken: list[WorkItem] = []
-        left: deque[WorkItem] = deque()
-        sessions: set[int] = set()
-        tokens = 0
-        while self._pending:
-            item = self._pending.popleft()
-            fits = not taken or tokens + item.tokens <= max_tokens
-            if fits and id(item.session) not in sessions:
-                taken.append(item)
-                sessions.add(id(item.session))
-                tokens += item.tokens
-            else:
-                left.append(item)
-        self._pending = left
-        return taken
 
     def _execute(self, taken: list[WorkItem]) -> None:
         """The forward-backward items as one pass, the forward-only ones as another (first
@@ -177,13 +142,6 @@ class MergeScheduler:
         except BaseException as exc:
             for item in taken:
                 item.fail(exc)
-        finally:
-            with self._cond:
-                for item in taken:
-                    if item.result is None and item.error is None:
-                        item.error = RuntimeError("merged pass ended without a result")
-                    item.done = True
-                self._cond.notify_all()
 
     @staticmethod
     def _alone(item: WorkItem) -> None:

@@ -74,6 +74,7 @@ class WorkItem:
     result: dict[str, Any] | None = None
     error: BaseException | None = None
     done: bool = False
+    taken: bool = False  # in a group being run (`trainer.combine`)
     # filled during the pass
     batch: MicroBatch | None = None
     stash: dict[str, torch.Tensor | None] | None = None

@@ -36,9 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 import weakref
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -46,6 +44,7 @@ from typing import Any
 import torch
 
 from trainer import routing
+from trainer.combine import Combiner, one_per_session
 from trainer.errors import OperationError
 from trainer.placement import Plain
 from trainer.sampler import STOP_STOP, Sequence, _cache_kwarg, _choose
@@ -127,63 +126,24 @@ class SampleBatcher:
 
     def __init__(self, resource: Any) -> None:
         self.resource = resource
-        self._cond = threading.Condition()
-        self._pending: deque[SampleJob] = deque()
-        self._collecting = False
+        self._combiner: Combiner[SampleJob] = Combiner(overlap=True)
         self.batches = 0  # generations of more than one job
         self.batched_jobs = 0
 
     def run(self, job: SampleJob) -> dict[str, Any]:
-        with self._cond:
-            self._pending.append(job)
-        while True:
-            with self._cond:
-                while not job.done and (self._collecting or job.taken):
-                    self._cond.wait()
-                if job.done:
-                    break
-                self._collecting = True
-            taken: list[SampleJob] = []
-            try:
-                window = job.session.options.merge_window_ms / 1000.0
-                if window > 0:
-                    time.sleep(window)
-                with self._cond:
-                    taken = self._take()
-                    self._collecting = False  # later arrivals form the next batch
-                    self._cond.notify_all()
-                self._execute(taken)
-            finally:
-                with self._cond:
-                    self._collecting = False
-                    for item in taken:
-                        if item.result is None and item.error is None:
-                            item.error = RuntimeError("sample batch ended without a result")
-                        item.done = True
-                    self._cond.notify_all()
+        """Later arrivals form the next batch while this one generates (`overlap`): the two
+        take turns on the lock."""
+        limit = self.resource.entry.max_batch_size
+        self._combiner.submit(
+            job,
+            job.session.options.merge_window_ms / 1000.0,
+            lambda pending: one_per_session(pending, limit, lambda j: j.rows),
+            self._execute,
+        )
         if job.error is not None:
             raise job.error
         assert job.result is not None
         return job.result
-
-    def _take(self) -> list[SampleJob]:
-        """Pending jobs in arrival order, one per session, while their rows fit in the
-        model's `max_batch_size` (the first always goes)."""
-        taken: list[SampleJob] = []
-        left: deque[SampleJob] = deque()
-        sessions: set[int] = set()
-        rows, limit = 0, self.resource.entry.max_batch_size
-        while self._pending:
-            item = self._pending.popleft()
-            if id(item.session) in sessions or (taken and rows + item.rows > limit):
-                left.append(item)
-                continue
-            item.taken = True
-            sessions.add(id(item.session))
-            rows += item.rows
-            taken.append(item)
-        self._pending = left
-        return taken
 
     def _execute(self, taken: list[SampleJob]) -> None:
         if len(taken) == 1:

@@ -27,13 +27,13 @@ session unchanged. Any other exception fails the command, and the group, as any 
 
 from __future__ import annotations
 
-import threading
-import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from trainer.batch import LossNorm, PreparedSample, loss_norm
+from trainer.combine import Combiner
 from trainer.errors import OperationError
 from trainer.merge import _model_has_dropout
 from trainer.merged_pass import LossFn, WorkItem, run_merged
@@ -183,6 +183,14 @@ class _Pending:
     result: Any = None
     error: BaseException | None = None
     done: bool = False
+    taken: bool = False
+
+
+def _take_all(pending: deque[_Pending]) -> list[_Pending]:
+    """Every pending call: each is its own session's (a session waits for its call)."""
+    taken = list(pending)
+    pending.clear()
+    return taken
 
 
 class DistributedMerger:
@@ -195,9 +203,7 @@ class DistributedMerger:
         self.resource_id = resource_id
         self.local = local
         self.send = send
-        self._cond = threading.Condition()
-        self._pending: list[_Pending] = []
-        self._combining = False
+        self._combiner: Combiner[_Pending] = Combiner()
         self._model_dropout: bool | None = None
 
     def wants(self, session: TrainingSession, op: str) -> bool:
@@ -217,25 +223,7 @@ class DistributedMerger:
 
     def run(self, session_id: str, op: str, args: dict[str, Any], window_ms: float) -> Any:
         pending = _Pending(session_id, op, args)
-        with self._cond:
-            self._pending.append(pending)
-        while True:
-            with self._cond:
-                while self._combining and not pending.done:
-                    self._cond.wait()
-                if pending.done:
-                    break
-                self._combining = True
-            try:
-                if window_ms > 0:
-                    time.sleep(window_ms / 1000.0)
-                with self._cond:
-                    taken, self._pending = self._pending, []
-                self._send(taken)
-            finally:
-                with self._cond:
-                    self._combining = False
-                    self._cond.notify_all()
+        self._combiner.submit(pending, window_ms / 1000.0, _take_all, self._send)
         if pending.error is not None:
             raise pending.error
         return pending.result
@@ -264,8 +252,3 @@ class DistributedMerger:
             for pending in taken:
                 if pending.result is None and pending.error is None:
                     pending.error = exc
-        finally:
-            with self._cond:
-                for pending in taken:
-                    pending.done = True
-                self._cond.notify_all()
