@@ -295,10 +295,8 @@ class MicroBatch:
         return additive.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
-def pack(
-    samples: list[PreparedSample], *, row_tokens: int = ROW_TOKENS, token_budget: int = TOKEN_BUDGET
-) -> list[MicroBatch]:
-    """First-fit-decreasing packing into rows, rows grouped into micro-batches by token budget."""
+def pack_rows(samples: list[PreparedSample], row_tokens: int) -> list[list[PreparedSample]]:
+    """First-fit-decreasing packing into rows of `row_tokens` (or the longest sample's)."""
     capacity = max(row_tokens, max(s.length for s in samples))
     rows: list[list[PreparedSample]] = []
     room: list[int] = []
@@ -311,6 +309,14 @@ def pack(
         else:
             rows.append([sample])
             room.append(capacity - sample.length)
+    return rows
+
+
+def pack(
+    samples: list[PreparedSample], *, row_tokens: int = ROW_TOKENS, token_budget: int = TOKEN_BUDGET
+) -> list[MicroBatch]:
+    """`pack_rows`, rows grouped into micro-batches by token budget."""
+    rows = pack_rows(samples, row_tokens)
     batches: list[list[list[PreparedSample]]] = [[]]
     used = 0
     for row in rows:

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainer import optim
-from trainer.batch import LossNorm, MicroBatch, PreparedSample, _build, is_varlen, pack
+from trainer.batch import LossNorm, MicroBatch, PreparedSample, _build, is_varlen, pack, pack_rows
 from trainer.errors import OperationError
 from trainer.logprobs import token_logprobs
 from trainer.losses import LossInputs, LossOutputs
@@ -105,23 +105,6 @@ class WorkItem:
             self.error = error
 
 
-def rows_of(samples: list[PreparedSample], row_tokens: int) -> list[list[PreparedSample]]:
-    """The rows `batch.pack` lays these samples in (first-fit decreasing)."""
-    capacity = max(row_tokens, max(s.length for s in samples))
-    rows: list[list[PreparedSample]] = []
-    room: list[int] = []
-    for sample in sorted(samples, key=lambda s: (-s.length, s.index)):
-        for r, free in enumerate(room):
-            if sample.length <= free:
-                rows[r].append(sample)
-                room[r] -= sample.length
-                break
-        else:
-            rows.append([sample])
-            room.append(capacity - sample.length)
-    return rows
-
-
 def merged_batch(
     items: list[WorkItem], row_tokens: int, varlen: bool
 ) -> tuple[MicroBatch, list[tuple[int, int]]]:
@@ -137,7 +120,7 @@ def merged_batch(
         relabeled = [replace(s, index=offset + s.index) for s in samples]
         offset += 1 + max(s.index for s in samples)
         first = len(rows)
-        rows.extend(rows_of(relabeled, row_tokens))
+        rows.extend(pack_rows(relabeled, row_tokens))
         spans.append((first, len(rows)))
     batch = _build(rows)
     width = int(batch.tokens_R_L.shape[1])

@@ -47,7 +47,7 @@ from trainer import routing
 from trainer.combine import Combiner, one_per_session
 from trainer.errors import OperationError
 from trainer.placement import Plain
-from trainer.sampler import STOP_STOP, Sequence, _cache_kwarg, _choose
+from trainer.sampler import STOP_STOP, Sequence, _cache_kwarg, _choose, decode_step
 from trainer.specs import SamplingParams
 from trainer.turns import TurnLock
 
@@ -372,15 +372,7 @@ def _decode(
                 finished[j] = True
         if all(finished):
             break
-        attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=-1)
-        out = model(
-            input_ids=chosen[:, None],
-            attention_mask=attention,
-            position_ids=next_pos,
-            use_cache=True,
-            **cache_kw,
-        )
-        next_pos = next_pos + 1
+        out, attention, next_pos = decode_step(model, chosen, attention, next_pos, cache_kw)
     grouped = []
     for job, (start, _) in zip(jobs, spans):
         mine = sequences[start : start + job.rows]

@@ -54,6 +54,26 @@ def _cache_kwarg(model: nn.Module) -> str:
 
 
 @torch.no_grad()
+def decode_step(
+    call: Callable[..., Any],
+    chosen: torch.Tensor,
+    attention: torch.Tensor,
+    next_pos: torch.Tensor,
+    cache_kw: dict[str, Any],
+) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """One decode step: every row's chosen token fed at its next position, the KV cache holding
+    the rest. Returns the model's output, the grown attention mask and the next positions."""
+    attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=-1)
+    out = call(
+        input_ids=chosen[:, None],
+        attention_mask=attention,
+        position_ids=next_pos,
+        use_cache=True,
+        **cache_kw,
+    )
+    return out, attention, next_pos + 1
+
+
 def generate(
     model: nn.Module,
     prompts: list[list[int]],
@@ -126,15 +146,7 @@ def generate(
                 done[r] = True
         if bool(done.all()) or len(sequences[0].tokens) >= params.max_tokens:
             break
-        attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=-1)
-        out = call(
-            input_ids=chosen[:, None],
-            attention_mask=attention,
-            position_ids=next_pos,
-            use_cache=True,
-            **cache_kw,
-        )
-        next_pos = next_pos + 1
+        out, attention, next_pos = decode_step(call, chosen, attention, next_pos, cache_kw)
     return [sequences[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
 
 
