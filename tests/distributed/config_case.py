@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from tests.distributed.launch import leave
 from tests.distributed.scenario import resource_spec, session_spec
 from trainer.checkpoints import CheckpointStore
 from trainer.cli import build_parser, join_job, serve_config
@@ -48,9 +48,7 @@ def main(argv: list[str]) -> int:
     config = serve_config(build_parser().parse_args([*serve, *flags]))
     spmd = join_job(config)
     if spmd.comm.rank != 0:
-        code = run_worker(spmd)
-        dist.destroy_process_group()
-        return code
+        return run_worker(spmd)
     cpu = torch.device("cpu")
     result: dict[str, Any] = {
         "timeouts": [
@@ -91,9 +89,8 @@ def main(argv: list[str]) -> int:
 def _finish(spmd: Any, out: str, result: dict[str, Any]) -> int:
     Path(out).write_text(json.dumps(result))
     spmd.shutdown()
-    dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    leave(main(sys.argv[1:]))

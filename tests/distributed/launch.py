@@ -9,8 +9,23 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from trainer.spawn import free_port
+
+__all__ = ["free_port", "leave", "run_ranks"]
+
+
+def leave(code: int) -> NoReturn:
+    """End a rank process without interpreter teardown. gloo's C++ threads can abort a process
+    ("terminate called without an active exception", exit -6) when its process group is
+    destroyed, or torn down at exit, while the other rank is already gone (seen under load in
+    CI). By now the rank's work is done and its results are written, so its exit code reports
+    the work, not how teardown raced. `trainer serve` skips teardown the same way."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
 
 ROOT = Path(__file__).resolve().parents[2]
 

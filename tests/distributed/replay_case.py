@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
+from tests.distributed.launch import leave
 from tests.distributed.scenario import OPTIONS, entry, resource_spec, session_spec
 from tests.engine.helpers import model_input, sample
 from trainer.checkpoints import CheckpointStore
@@ -74,13 +71,7 @@ def main() -> int:
     comm = init_distributed()
     spmd = Spmd(comm, options=OPTIONS)
     if comm.rank != 0:
-        code = run_worker(spmd)
-        if code == 0:
-            dist.destroy_process_group()
-            return code
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        return run_worker(spmd)
     store = CheckpointStore(Path(args.storage))
     result = {}
     for kind in ("full", "lora"):
@@ -88,12 +79,9 @@ def main() -> int:
         result[kind] = drive_replay(resource, kind)
         resource.close()
     Path(args.out).write_text(json.dumps(result))
-    healthy = spmd.broken is None
     spmd.shutdown()
-    if healthy:
-        dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

@@ -13,14 +13,12 @@ import argparse
 import contextlib
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from tests.distributed.attention_spy import spy
+from tests.distributed.launch import leave
 from tests.distributed.scenario import (
     OPTIONS,
     drive,
@@ -137,23 +135,13 @@ def _run(args: argparse.Namespace) -> int:
     comm = init_distributed()
     spmd = Spmd(comm, options=OPTIONS)
     if comm.rank != 0:
-        code = run_worker(spmd)
-        if code == 0:
-            dist.destroy_process_group()
-            return code
-        # as `trainer serve` does: a broken group skips teardown (gloo destructors can abort)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        return run_worker(spmd)
     store = CheckpointStore(Path(args.storage))
     result = CASES[args.case](spmd, store, args)
     Path(args.out).write_text(json.dumps(result))
-    healthy = spmd.broken is None
     spmd.shutdown()
-    if healthy:
-        dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

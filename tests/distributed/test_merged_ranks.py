@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.distributed.launch import run_ranks
+from tests.distributed.launch import leave, run_ranks
 from tests.engine.helpers import grads_of, random_batch
 from tests.engine.test_merge import (
     CE,
@@ -165,7 +163,6 @@ def _drive(spmd: Any, store: Any, model_dir: str) -> dict[str, Any]:
 
 
 def main() -> int:
-    import torch.distributed as dist
 
     from trainer.checkpoints import CheckpointStore
     from trainer.distributed.comm import init_distributed
@@ -179,19 +176,10 @@ def main() -> int:
     comm = init_distributed()
     spmd = Spmd(comm, options=OPTIONS)
     if comm.rank != 0:
-        code = run_worker(spmd)
-        if code == 0:
-            dist.destroy_process_group()
-            return code
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        return run_worker(spmd)
     result = _drive(spmd, CheckpointStore(Path(args.storage)), args.model_dir)
     Path(args.out).write_text(json.dumps(result))
-    healthy = spmd.broken is None
     spmd.shutdown()
-    if healthy:
-        dist.destroy_process_group()
     return 0
 
 
@@ -239,4 +227,4 @@ def test_a_failing_session_in_a_merged_pass_on_two_ranks(two_ranks: dict[str, An
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())
