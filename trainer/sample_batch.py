@@ -47,7 +47,14 @@ from trainer import routing
 from trainer.combine import Combiner, one_per_session
 from trainer.errors import OperationError
 from trainer.placement import Plain
-from trainer.sampler import STOP_STOP, Sequence, _cache_kwarg, _choose, decode_step
+from trainer.sampler import (
+    STOP_STOP,
+    Sequence,
+    _cache_kwarg,
+    _choose,
+    decode_step,
+    left_padded,
+)
 from trainer.specs import SamplingParams
 from trainer.turns import TurnLock
 
@@ -265,14 +272,7 @@ def generate_joint(
         rows.extend(prompt for prompt in job.prompts for _ in range(job.num_samples))
         spans.append((first, len(rows)))
     adapters = [job.session.policy.pub_name for job in jobs]  # type: ignore[attr-defined]
-    width = max(len(p) for p in rows)
-    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
-    attention = torch.zeros(len(rows), width, dtype=torch.long)
-    for r, prompt in enumerate(rows):
-        input_ids[r, width - len(prompt) :] = torch.tensor(prompt)
-        attention[r, width - len(prompt) :] = 1
-    input_ids, attention = input_ids.to(device), attention.to(device)
-    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    input_ids, attention, positions = left_padded(rows, device)
     generators = [torch.Generator().manual_seed(job.seed) for job in jobs]
     cache_kw = {_cache_kwarg(model): DynamicCache()}
 
@@ -287,7 +287,7 @@ def generate_joint(
         installed.enter_context(segmented(head, last))
 
     try:
-        install(width)
+        install(input_ids.shape[1])
         out = model(
             input_ids=input_ids,
             attention_mask=attention,

@@ -54,6 +54,20 @@ def _cache_kwarg(model: nn.Module) -> str:
 
 
 @torch.no_grad()
+def left_padded(
+    rows: list[list[int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompts as one left-padded batch on `device`: token ids, attention mask, positions."""
+    width = max(len(p) for p in rows)
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attention = torch.zeros(len(rows), width, dtype=torch.long)
+    for r, prompt in enumerate(rows):
+        input_ids[r, width - len(prompt) :] = torch.tensor(prompt)
+        attention[r, width - len(prompt) :] = 1
+    input_ids, attention = input_ids.to(device), attention.to(device)
+    return input_ids, attention, (attention.cumsum(-1) - 1).clamp(min=0)
+
+
 def decode_step(
     call: Callable[..., Any],
     chosen: torch.Tensor,
@@ -104,14 +118,7 @@ def generate(
 
     device = next(model.parameters()).device
     rows = [prompt for prompt in prompts for _ in range(num_samples)]
-    width = max(len(p) for p in rows)
-    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
-    attention = torch.zeros(len(rows), width, dtype=torch.long)
-    for r, prompt in enumerate(rows):
-        input_ids[r, width - len(prompt) :] = torch.tensor(prompt)
-        attention[r, width - len(prompt) :] = 1
-    input_ids, attention = input_ids.to(device), attention.to(device)
-    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    input_ids, attention, positions = left_padded(rows, device)
     generator = torch.Generator()
     generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
     cache_kw = {_cache_kwarg(model): DynamicCache()}
