@@ -3,7 +3,7 @@
     python scripts/bench_bodies.py                  # 6, 60, 300 MB, 3 runs each; BENCHMARKS.md
     python scripts/bench_bodies.py --sizes 6 --repeats 1 --no-write    # a quick check
 
-See `trainer/bench/bodies.py` for what is measured and how.
+See `benchmarks/bodies.py` for what is measured and how.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.bench.bodies import main
+from benchmarks.bodies import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -39,9 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from trainer.batch import PACKED_SDPA, PreparedSample, pack, use_packed_sdpa  # noqa: E402
-from trainer.bench.shapes import ModelShape, qwen3_config  # noqa: E402
-from trainer.logprobs import token_logprobs  # noqa: E402
+from benchmarks.shapes import ModelShape, qwen3_config  # noqa: E402
+from trainer.compute.batch import PACKED_SDPA, PreparedSample, pack, use_packed_sdpa  # noqa: E402
+from trainer.compute.logprobs import token_logprobs  # noqa: E402
 from trainer.tiny import TinySpec  # noqa: E402
 
 QWEN3_06B = ModelShape(
@@ -221,10 +221,9 @@ def run_merge(
     import tempfile
     import threading
 
-    from trainer.checkpoints import CheckpointStore
-    from trainer.options import EngineOptions
-    from trainer.resource import ModelResource
-    from trainer.specs import (
+    from trainer.checkpoint.store import CheckpointStore
+    from trainer.contract.options import EngineOptions
+    from trainer.contract.specs import (
         LoraConfig,
         LossConfig,
         ModelEntry,
@@ -232,6 +231,7 @@ def run_merge(
         Sample,
         SessionSpec,
     )
+    from trainer.engine.resource import ModelResource
     from trainer.tiny import save_model
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_gpu_merge_"))

@@ -14,7 +14,8 @@ forward-backward alone and the sample alone (with turns on and nobody waiting: t
 check) for reference.
 
 Then `--batch-sessions` sessions each sample `--batch-tokens` tokens at once, each from its own
-thread: one generation batch (`[engine] batch_samples` on, `trainer/sample_batch.py`) vs one
+thread: one generation batch (`[engine] batch_samples` on,
+`trainer/engine/batching/sample_batch.py`) vs one
 generation per session taking turns on the lock (off); wall time until all are done.
 """
 
@@ -34,10 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from trainer.checkpoints import CheckpointStore
-from trainer.options import EngineOptions
-from trainer.resource import ModelResource
-from trainer.specs import (
+from trainer.checkpoint.store import CheckpointStore
+from trainer.contract.options import EngineOptions
+from trainer.contract.specs import (
     AdamParams,
     EncodedTextChunk,
     LoraConfig,
@@ -51,6 +51,7 @@ from trainer.specs import (
     SessionSpec,
     TensorData,
 )
+from trainer.engine.resource import ModelResource
 from trainer.tiny import TinySpec, save_model
 
 CE = LossConfig(type="cross_entropy")

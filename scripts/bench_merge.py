@@ -25,10 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.checkpoints import CheckpointStore
-from trainer.options import EngineOptions
-from trainer.resource import ModelResource
-from trainer.specs import (
+from trainer.checkpoint.store import CheckpointStore
+from trainer.contract.options import EngineOptions
+from trainer.contract.specs import (
     LoraConfig,
     LossConfig,
     ModelEntry,
@@ -37,6 +36,7 @@ from trainer.specs import (
     SessionSpec,
     TensorData,
 )
+from trainer.engine.resource import ModelResource
 from trainer.tiny import TinySpec, save_model
 
 CE = LossConfig(type="cross_entropy")

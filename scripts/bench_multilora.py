@@ -1,4 +1,5 @@
-"""Merged multi-adapter forward+backward (`trainer.multilora.segmented`) vs one pass per adapter.
+"""Merged multi-adapter forward+backward (`trainer.compute.multilora.segmented`) vs one pass per
+adapter.
 
     python scripts/bench_multilora.py                        # demo-sized tiny Qwen3, 8 x 4 x 32
     python scripts/bench_multilora.py --vocab 151936 --hidden 1024 --layers 2 --reps 5
@@ -27,12 +28,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.batch import use_packed_sdpa
-from trainer.logprobs import token_logprobs
-from trainer.multilora import Segment, segmented
-from trainer.policy import LoraPolicy
+from trainer.compute.batch import use_packed_sdpa
+from trainer.compute.logprobs import token_logprobs
+from trainer.compute.multilora import Segment, segmented
+from trainer.compute.policy import LoraPolicy
+from trainer.contract.specs import LoraConfig
 from trainer.rl.config import Recipe
-from trainer.specs import LoraConfig
 from trainer.tiny import TinySpec, build_model
 
 

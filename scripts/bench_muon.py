@@ -22,11 +22,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer import optim
-from trainer.muon import muon_step, new_muon
-from trainer.optim_specs import MuonParams
-from trainer.placement import Solo
-from trainer.specs import AdamParams
+from trainer.compute import optim
+from trainer.compute.muon import muon_step, new_muon
+from trainer.compute.placement import Solo
+from trainer.contract.muon_params import MuonParams
+from trainer.contract.specs import AdamParams
 
 HIDDEN, Q, KV, MLP, VOCAB = 1024, 2048, 1024, 3072, 151936
 PROJ = {  # name: (out, in)

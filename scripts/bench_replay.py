@@ -29,9 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.checkpoints import CheckpointStore
-from trainer.resource import ModelResource
-from trainer.specs import (
+from trainer.checkpoint.store import CheckpointStore
+from trainer.contract.specs import (
     EncodedTextChunk,
     LoraConfig,
     LossConfig,
@@ -44,6 +43,7 @@ from trainer.specs import (
     SessionSpec,
     TensorData,
 )
+from trainer.engine.resource import ModelResource
 from trainer.tiny import TinySpec, save_model
 
 GRPO = LossConfig.model_validate({"type": "LOSS_TYPE_GRPO"})

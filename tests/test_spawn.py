@@ -96,7 +96,7 @@ def test_a_worker_that_never_answers_times_out_and_is_stopped(tmp_path: Path) ->
 
 def test_the_benchmark_serves_a_real_worker(tiny_qwen_dir: Path) -> None:
     """Row 7's `trainer serve` child, through the shared helper: up, answering the API, gone."""
-    from trainer.bench.arms_http import serve
+    from benchmarks.arms_http import serve
 
     with serve(str(tiny_qwen_dir)) as api:
         models = httpx.get(f"{api}/rl/supported-models", timeout=30)

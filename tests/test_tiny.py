@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-from trainer.bench.shapes import ModelShape, build_model, qwen3_config, shape_from
+from benchmarks.shapes import ModelShape, build_model, qwen3_config, shape_from
 from trainer.rl.config import ModelConfig
 from trainer.tiny import TinySpec, save_model
 from trainer.tiny import build_model as tiny_build

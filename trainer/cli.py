@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from trainer.options import add_option_flags
+from trainer.contract.options import add_option_flags
 
 
 def _serve_args(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -53,8 +53,8 @@ def _serve_args(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 def serve_config(args: argparse.Namespace) -> Any:
     """The TOML file (if any) with the command-line flags laid over it, validated. A key of
     `[engine]`/`[distributed]` set by neither falls back to its legacy environment variable."""
-    from trainer.api.config import ServeConfig, load_toml, merge_models
-    from trainer.options import fill_from_env, merge_tables, option_overrides
+    from trainer.contract.options import fill_from_env, merge_tables, option_overrides
+    from trainer.serving.config import ServeConfig, load_toml, merge_models
 
     data: dict[str, Any] = load_toml(args.config) if args.config is not None else {}
     overrides = {
@@ -177,7 +177,7 @@ def _bench_args(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from trainer.bench.main import main as bench_main
+    from benchmarks.main import main as bench_main
 
     return int(bench_main(args.rest, prog="trainer bench") or 0)
 

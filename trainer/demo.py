@@ -260,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
 def _load_tokenizer(location: str) -> Any:
     from transformers import AutoTokenizer
 
-    from trainer.model import local_dir
+    from trainer.compute.model import local_dir
 
     return AutoTokenizer.from_pretrained(str(local_dir(location)))
 

@@ -4,7 +4,8 @@ the tests.
 A `TinySpec` names a Qwen3-, Llama- or Qwen3-MoE-shaped decoder (`arch="qwen3_moe"`: every
 layer a sparse MoE block of `experts` experts, `experts_per_tok` routed per token, with fused
 3-D expert weights); `build_model` random-inits it under a seed (no download), and
-`save_model` writes it the way `trainer.model` loads any HF model (safetensors + config.json).
+`save_model` writes it the way `trainer.compute.model` loads any HF model (safetensors +
+config.json).
 The same spec and seed always give the same weights.
 """
 

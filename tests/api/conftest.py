@@ -20,8 +20,8 @@ import pytest
 import uvicorn
 
 from trainer.api.app import create_app
-from trainer.api.config import ServeConfig
-from trainer.api.worker import Worker
+from trainer.serving.config import ServeConfig
+from trainer.serving.worker import Worker
 from trainer.spawn import free_port
 
 TOKEN = "test-token-0123456789"

@@ -28,12 +28,12 @@ import torch
 from conftest import LiveServer, serve_in_thread
 from test_http import TERMINAL, new_resource, new_session, run_op
 
+from benchmarks.bodies import HealthProbe, wire_body
 from tests.faults.procs import rss_kib, serve_child
-from trainer.api.bodies import INLINE_MAX, BodyParser
-from trainer.api.requests import ForwardBackwardBody
-from trainer.batch import prepare_samples
-from trainer.bench.bodies import HealthProbe, wire_body
-from trainer.jsonparse import BodyError
+from trainer.compute.batch import prepare_samples
+from trainer.serving.bodies import INLINE_MAX, BodyParser
+from trainer.serving.jsonparse import BodyError
+from trainer.serving.requests import ForwardBackwardBody
 
 VOCAB = 128
 PPO = {"type": "LOSS_TYPE_PPO"}

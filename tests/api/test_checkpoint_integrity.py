@@ -24,7 +24,7 @@ from together import Together
 from together.post_training import download_checkpoint
 
 from tests.faults.procs import output, tiny_session
-from trainer.checkpoints import INFERENCE, TRAINING, CheckpointStore
+from trainer.checkpoint.store import INFERENCE, TRAINING, CheckpointStore
 
 CE = {"type": "LOSS_TYPE_CROSS_ENTROPY"}
 
@@ -219,7 +219,7 @@ def test_download_refuses_tampered_and_missing_files(
 def test_concurrent_downloads_of_a_large_file_hash_it_once(
     server: LiveServer, http: httpx.Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from trainer import checkpoint_files
+    from trainer.checkpoint import files as checkpoint_files
 
     blob = os.urandom(48 << 20)
 
@@ -355,7 +355,7 @@ def test_worker_starts_and_quarantines_damaged_checkpoint_dirs(
     }
 
     with (
-        caplog.at_level(logging.WARNING, logger="trainer.checkpoints"),
+        caplog.at_level(logging.WARNING, logger="trainer.checkpoint.store"),
         serve_in_thread(storage, {"tiny-qwen": tiny_qwen_dir}) as live,
         live.client() as client,
     ):

@@ -20,9 +20,9 @@ import torch
 from api_helpers import ce_sample, reference_logprobs
 from conftest import LiveServer, serve_in_thread, wait_status
 
-from trainer.api.config import ServeConfig, load_toml
 from trainer.cli import build_parser, main, serve_config
-from trainer.options import ENV_FALLBACKS, SECTIONS, DistributedOptions, EngineOptions
+from trainer.contract.options import ENV_FALLBACKS, SECTIONS, DistributedOptions, EngineOptions
+from trainer.serving.config import ServeConfig, load_toml
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "configs" / "serve.example.toml"

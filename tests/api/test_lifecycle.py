@@ -27,7 +27,7 @@ from api_helpers import ce_sample, model_input
 from conftest import TOKEN, LiveServer, serve_in_thread, wait_status
 
 from tests.faults.procs import TERMINAL, new_resource, run_op
-from trainer.api.ops import Job, SessionQueue
+from trainer.serving.queues import Job, SessionQueue
 
 REPO = Path(__file__).resolve().parents[2]
 READY = "MODEL_RESOURCES_STATUS_READY"
@@ -76,8 +76,8 @@ def at_once(calls: list[Any]) -> list[Any]:
 FRESH_LOADS = r"""
 import json, sys, threading
 import torch
-from trainer.model import load_base_model
-from trainer.specs import ModelEntry
+from trainer.compute.model import load_base_model
+from trainer.contract.specs import ModelEntry
 
 jobs = json.loads(sys.argv[1])
 linspace, dtype = torch.linspace, torch.get_default_dtype()

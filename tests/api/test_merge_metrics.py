@@ -1,4 +1,4 @@
-"""`GET /v1/rl/worker-metrics` (`trainer/api/routes_metrics.py`): the scheduler's counters of a
+"""`GET /v1/rl/worker-metrics` (`trainer/api/rl/routes_metrics.py`): the scheduler's counters of a
 live worker. Two sessions of one LoRA resource send forward-backwards at once through the HTTP
 queues; the counters say they shared a pass, and each result equals the same call made alone
 afterwards on a twin session (same seed, same samples). The route needs the token."""

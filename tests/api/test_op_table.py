@@ -1,4 +1,4 @@
-"""The operation table (`trainer.api.operations`) is the one place an operation is declared.
+"""The operation table (`trainer.serving.operations`) is the one place an operation is declared.
 
 The HTTP routes, rank 0's SPMD proxy (`DistributedSession`) and the per-rank dispatch are all
 derived from it: every entry has its POST/GET pair and its proxy/dispatch path, and a new entry
@@ -24,15 +24,9 @@ from fastapi import APIRouter
 from test_http import CE, TERMINAL, new_resource, new_session, output
 
 from tests.engine.helpers import make_resource, model_input, random_batch
-from trainer.api import routes_ops
-from trainer.api.operations import METHODS, OPERATIONS, Operation
-from trainer.api.requests import EmptyBody, ForwardBackwardBody
-from trainer.checkpoints import CheckpointRecord
-from trainer.distributed import spmd as spmd_module
-from trainer.distributed.comm import Comm
-from trainer.distributed.spmd import DistributedSession, Spmd
-from trainer.session import TrainingSession
-from trainer.specs import (
+from trainer.api.rl import routes_ops
+from trainer.checkpoint.store import CheckpointRecord
+from trainer.contract.specs import (
     AdamParams,
     Gradient,
     LoraConfig,
@@ -42,6 +36,12 @@ from trainer.specs import (
     SessionSpec,
     TensorData,
 )
+from trainer.distributed import spmd as spmd_module
+from trainer.distributed.comm import Comm
+from trainer.distributed.spmd import DistributedSession, Spmd
+from trainer.engine.session import TrainingSession
+from trainer.serving.operations import METHODS, OPERATIONS, Operation
+from trainer.serving.requests import EmptyBody, ForwardBackwardBody
 
 OPS = "/v1/rl/training-sessions/{session_id}/operations"
 CE_LOSS = LossConfig(type="LOSS_TYPE_CROSS_ENTROPY")

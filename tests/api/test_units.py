@@ -7,13 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from trainer.api.config import ServeConfig, is_loopback, merge_models
-from trainer.api.errors import ApiError, field_path
-from trainer.api.payloads import PayloadStore, offload_result
-from trainer.api.requests import merge_metadata
 from trainer.api.server import StartupError, resolve_token
 from trainer.api.signing import UrlSigner
-from trainer.api.store import (
+from trainer.cli import build_parser, serve_config
+from trainer.serving.catalogue import (
     OP_FAILED,
     OP_RUNNING,
     RES_READY,
@@ -25,7 +22,10 @@ from trainer.api.store import (
     SessionRow,
     WorkerStore,
 )
-from trainer.cli import build_parser, serve_config
+from trainer.serving.config import ServeConfig, is_loopback, merge_models
+from trainer.serving.errors import ApiError, field_path
+from trainer.serving.payloads import PayloadStore, offload_result
+from trainer.serving.requests import merge_metadata
 
 
 def test_signer_binds_method_path_and_expiry() -> None:

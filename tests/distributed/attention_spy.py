@@ -10,7 +10,7 @@ from typing import Any
 
 from transformers.modeling_utils import AttentionInterface
 
-from trainer.batch import MicroBatch
+from trainer.compute.batch import MicroBatch
 
 
 @contextlib.contextmanager

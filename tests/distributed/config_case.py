@@ -16,10 +16,10 @@ import torch
 
 from tests.distributed.launch import leave
 from tests.distributed.scenario import resource_spec, session_spec
-from trainer.checkpoints import CheckpointStore
+from trainer.checkpoint.store import CheckpointStore
 from trainer.cli import build_parser, join_job, serve_config
+from trainer.contract.specs import LossConfig, Sample
 from trainer.distributed.spmd import resource_loader, run_worker
-from trainer.specs import LossConfig, Sample
 
 SEQUENCES = [[3 + i, 17, 42 + i, 9, 88, 5, 61 + i, 20, 11, 30 + i] for i in range(4)]  # 9 tokens
 

@@ -7,8 +7,8 @@ from typing import Any
 
 from tests.distributed.scenario import session_spec
 from tests.engine.helpers import random_batch
-from trainer.optim_specs import MuonParams
-from trainer.specs import AdamParams, LossConfig, ResourceSpec
+from trainer.contract.muon_params import MuonParams
+from trainer.contract.specs import AdamParams, LossConfig, ResourceSpec
 
 # clipping active (the norm is well above 0.5), non-default knobs on both sides
 MUON = MuonParams(

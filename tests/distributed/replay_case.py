@@ -14,10 +14,10 @@ from typing import Any
 from tests.distributed.launch import leave
 from tests.distributed.scenario import OPTIONS, entry, resource_spec, session_spec
 from tests.engine.helpers import model_input, sample
-from trainer.checkpoints import CheckpointStore
+from trainer.checkpoint.store import CheckpointStore
+from trainer.contract.specs import AdamParams, LossConfig, SamplingParams
 from trainer.distributed.comm import init_distributed
 from trainer.distributed.spmd import DistributedResource, Spmd, run_worker
-from trainer.specs import AdamParams, LossConfig, SamplingParams
 
 CE = LossConfig(type="LOSS_TYPE_CROSS_ENTROPY")
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]

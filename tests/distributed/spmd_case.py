@@ -29,11 +29,11 @@ from tests.distributed.scenario import (
     train_packed,
 )
 from tests.engine.helpers import random_batch
-from trainer.checkpoints import CheckpointStore
+from trainer.checkpoint.store import CheckpointStore
+from trainer.contract.errors import OperationError
+from trainer.contract.specs import LossConfig
 from trainer.distributed.comm import init_distributed
 from trainer.distributed.spmd import DistributedResource, Spmd, run_worker
-from trainer.errors import OperationError
-from trainer.specs import LossConfig
 
 
 def case_train(spmd: Spmd, store: CheckpointStore, args: argparse.Namespace) -> dict[str, Any]:

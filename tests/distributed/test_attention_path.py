@@ -14,8 +14,8 @@ import pytest
 from tests.distributed.attention_spy import spy
 from tests.distributed.launch import run_ranks
 from tests.distributed.scenario import OPTIONS, entry, resource_spec, train_packed
-from trainer.checkpoints import CheckpointStore
-from trainer.resource import ModelResource
+from trainer.checkpoint.store import CheckpointStore
+from trainer.engine.resource import ModelResource
 
 pytestmark = pytest.mark.distributed
 

@@ -17,8 +17,8 @@ import torch
 from tests.api.api_helpers import ce_sample, load_causal_lm, reference_logprobs
 from tests.distributed.test_torchrun_serve import TOKEN, _group_alive, _launch
 from tests.engine.helpers import make_resource, random_batch
+from trainer.contract.specs import AdamParams, LossConfig, SessionSpec
 from trainer.spawn import free_port, wait_healthy
-from trainer.specs import AdamParams, LossConfig, SessionSpec
 
 pytestmark = pytest.mark.distributed
 

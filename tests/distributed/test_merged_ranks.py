@@ -1,5 +1,5 @@
 """Merged passes under two CPU ranks (FSDP2, gloo) against the same operations run one at a
-time on two ranks (`trainer/distributed/merged.py`, `trainer/merged_pass.py`).
+time on two ranks (`trainer/distributed/batching.py`, `trainer/engine/batching/train_pass.py`).
 
 One 2-rank job (this module is also each rank's program: `python -m
 tests.distributed.test_merged_ranks`) drives, from rank 0's proxies:
@@ -39,8 +39,8 @@ from tests.engine.test_merge import (
     _solo,
     _step,
 )
-from trainer.options import EngineOptions
-from trainer.specs import LoraConfig
+from trainer.contract.options import EngineOptions
+from trainer.contract.specs import LoraConfig
 
 pytestmark = pytest.mark.distributed
 
@@ -164,7 +164,7 @@ def _drive(spmd: Any, store: Any, model_dir: str) -> dict[str, Any]:
 
 def main() -> int:
 
-    from trainer.checkpoints import CheckpointStore
+    from trainer.checkpoint.store import CheckpointStore
     from trainer.distributed.comm import init_distributed
     from trainer.distributed.spmd import Spmd, run_worker
 

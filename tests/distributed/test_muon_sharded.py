@@ -14,8 +14,8 @@ from tests.distributed.launch import run_ranks
 from tests.distributed.muon_scenario import drive_muon, muon_resource_spec
 from tests.distributed.scenario import OPTIONS, entry
 from tests.distributed.test_sharded import _checkpoint, _close
-from trainer.checkpoints import CheckpointStore
-from trainer.resource import ModelResource
+from trainer.checkpoint.store import CheckpointStore
+from trainer.engine.resource import ModelResource
 
 pytestmark = pytest.mark.distributed
 

@@ -12,8 +12,8 @@ import pytest
 from tests.distributed.launch import run_ranks
 from tests.distributed.replay_case import drive_replay
 from tests.distributed.scenario import OPTIONS, entry, resource_spec
-from trainer.checkpoints import CheckpointStore
-from trainer.resource import ModelResource
+from trainer.checkpoint.store import CheckpointStore
+from trainer.engine.resource import ModelResource
 
 pytestmark = pytest.mark.distributed
 

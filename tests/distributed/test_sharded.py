@@ -21,9 +21,9 @@ from safetensors.torch import load_file
 
 from tests.distributed.launch import run_ranks
 from tests.distributed.scenario import OPTIONS, drive, entry, resource_spec, session_spec
-from trainer import optim
-from trainer.checkpoints import CheckpointStore
-from trainer.resource import ModelResource
+from trainer.checkpoint.store import CheckpointStore
+from trainer.compute import optim
+from trainer.engine.resource import ModelResource
 
 pytestmark = pytest.mark.distributed
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from trainer.batch import PreparedSample
-from trainer.rounds import split_by_tokens
+from trainer.compute.batch import PreparedSample
+from trainer.compute.rounds import split_by_tokens
 
 
 def _samples(lengths: list[int]) -> list[PreparedSample]:

@@ -6,10 +6,8 @@ from pathlib import Path
 
 import torch
 
-from trainer.checkpoints import CheckpointStore
-from trainer.resource import ModelResource
-from trainer.session import EngineOptions
-from trainer.specs import (
+from trainer.checkpoint.store import CheckpointStore
+from trainer.contract.specs import (
     EncodedTextChunk,
     ModelEntry,
     ModelInput,
@@ -18,6 +16,8 @@ from trainer.specs import (
     Sample,
     TensorData,
 )
+from trainer.engine.resource import ModelResource
+from trainer.engine.session import EngineOptions
 
 
 def model_input(tokens: list[int]) -> ModelInput:

@@ -19,10 +19,17 @@ import pytest
 import torch
 
 from tests.engine.helpers import make_resource, model_input, random_batch, sample
-from trainer import optim
-from trainer.errors import OperationError
-from trainer.session import EngineOptions
-from trainer.specs import AdamParams, Gradient, LoraConfig, LossConfig, SamplingParams, SessionSpec
+from trainer.compute import optim
+from trainer.contract.errors import OperationError
+from trainer.contract.specs import (
+    AdamParams,
+    Gradient,
+    LoraConfig,
+    LossConfig,
+    SamplingParams,
+    SessionSpec,
+)
+from trainer.engine.session import EngineOptions
 
 CE = LossConfig(type="cross_entropy")
 SMALL = EngineOptions(row_tokens=16, token_budget=16)  # several micro-batches per call

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from tests.engine.helpers import make_resource, random_batch
-from trainer.batch import pack, prepare_samples
-from trainer.logprobs import batch_logprobs
-from trainer.specs import LossConfig, SessionSpec
+from trainer.compute.batch import pack, prepare_samples
+from trainer.compute.logprobs import batch_logprobs
+from trainer.contract.specs import LossConfig, SessionSpec
 
 
 def _eager_model(model_dir):

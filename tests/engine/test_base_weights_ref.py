@@ -14,11 +14,18 @@ import torch
 
 from tests.api.api_helpers import load_causal_lm, reference_logprobs
 from tests.engine.helpers import make_resource, random_batch, sample
-from trainer.base_weights import FIELD, RefError, check_ref
-from trainer.checkpoints import CheckpointStore
-from trainer.model import is_tied, read_model_config
-from trainer.resource import ModelResource
-from trainer.specs import AdamParams, LoraConfig, LossConfig, ModelEntry, ResourceSpec, SessionSpec
+from trainer.checkpoint.base_weights import FIELD, RefError, check_ref
+from trainer.checkpoint.store import CheckpointStore
+from trainer.compute.model import is_tied, read_model_config
+from trainer.contract.specs import (
+    AdamParams,
+    LoraConfig,
+    LossConfig,
+    ModelEntry,
+    ResourceSpec,
+    SessionSpec,
+)
+from trainer.engine.resource import ModelResource
 
 CE = LossConfig(type="cross_entropy")
 PROBES = [[3, 17, 42, 9, 88, 5, 61, 20], [7, 7, 100, 2, 45, 12]]
@@ -137,7 +144,7 @@ def test_bad_refs_are_refused(tiny_qwen_dir: Path, tiny_llama_dir: Path, tmp_pat
 def test_architecture_check_reads_expert_shapes() -> None:
     """Same model_type, another expert count or expert width: refused, naming the config
     field; a raw config.json (defaults left out) still matches its full dict."""
-    from trainer.base_weights import check_architecture
+    from trainer.checkpoint.base_weights import check_architecture
     from trainer.tiny import TinySpec, hf_config
 
     config = hf_config(TinySpec(arch="qwen3_moe"))

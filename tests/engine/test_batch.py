@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from tests.engine.helpers import grads_of, make_resource, random_batch, sample
-from trainer.batch import pack, prepare_samples
-from trainer.errors import OperationError
-from trainer.session import EngineOptions
-from trainer.specs import LossConfig, SessionSpec
+from trainer.compute.batch import pack, prepare_samples
+from trainer.contract.errors import OperationError
+from trainer.contract.specs import LossConfig, SessionSpec
+from trainer.engine.session import EngineOptions
 
 
 def _prepare(samples, **kw):

@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file
 
 from tests.engine.helpers import assert_same, make_resource, random_batch, weights_of
-from trainer import optim
-from trainer.checkpoints import CheckpointCorrupt, CheckpointStore
-from trainer.errors import OperationError
-from trainer.specs import AdamParams, LoraConfig, LossConfig, SessionSpec
+from trainer.checkpoint.store import CheckpointCorrupt, CheckpointStore
+from trainer.compute import optim
+from trainer.contract.errors import OperationError
+from trainer.contract.specs import AdamParams, LoraConfig, LossConfig, SessionSpec
 
 CE = LossConfig(type="cross_entropy")
 ADAM = AdamParams(learning_rate=2e-2, weight_decay=0.01)
@@ -300,7 +300,7 @@ OLD_CHECKPOINTS = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoint
 
 def test_checkpoint_written_before_the_unified_engine_resumes(tiny_qwen_dir, tmp_path) -> None:
     """A LoRA training checkpoint (format 1) written by the engine as it was before
-    `training_state.py` (commit 2a2a826: rank 2, dropout 0.1, two PPO steps) resumes with its
+    `checkpoint/layout.py` (commit 2a2a826: rank 2, dropout 0.1, two PPO steps) resumes with its
     step, weights, both AdamW moments and RNG state exactly as stored, then trains on."""
     (fixture,) = OLD_CHECKPOINTS.iterdir()
     storage = tmp_path / "store"

@@ -1,4 +1,5 @@
-"""`trainer.combine`: flat combining keeps each caller's items in order, groups concurrent ones,
+"""`trainer.engine.batching.combine`: flat combining keeps each caller's items in order, groups
+concurrent ones,
 and (without `overlap`) never runs two groups at once."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from trainer.combine import Combiner, one_per_session
+from trainer.engine.batching.combine import Combiner, one_per_session
 
 
 @dataclass

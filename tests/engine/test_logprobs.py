@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.logprobs import naive_token_logprobs, token_logprobs
+from trainer.compute.logprobs import naive_token_logprobs, token_logprobs
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64, 1000])

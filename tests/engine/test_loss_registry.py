@@ -1,5 +1,6 @@
 """Loss parameters are parsed once into a typed union, and what each loss needs is declared once
-(`trainer.specs.LOSS_SPECS`): the API's 400, the engine's INVALID_INPUT and `compute_loss` all
+(`trainer.contract.specs.LOSS_SPECS`): the API's 400, the engine's INVALID_INPUT and `compute_loss`
+all
 read the registry, so a rule added there is enforced at every layer."""
 
 from __future__ import annotations
@@ -13,12 +14,10 @@ import pytest
 import torch
 
 from tests.engine.helpers import grads_of, make_resource, random_batch
-from trainer.api.errors import ApiError
-from trainer.api.requests import ForwardBackwardBody, check_forward_backward
-from trainer.batch import LossNorm
-from trainer.errors import OperationError
-from trainer.losses import LossInputs, compute_loss
-from trainer.specs import (
+from trainer.compute.batch import LossNorm
+from trainer.compute.losses import LossInputs, compute_loss
+from trainer.contract.errors import OperationError
+from trainer.contract.specs import (
     LOSS_SPECS,
     DroParams,
     GrpoParams,
@@ -28,6 +27,8 @@ from trainer.specs import (
     PpoParams,
     SessionSpec,
 )
+from trainer.serving.errors import ApiError
+from trainer.serving.requests import ForwardBackwardBody, check_forward_backward
 
 TRAINER = Path(__file__).resolve().parents[2] / "trainer"
 ENTRY = ModelEntry(name="tiny", location="unused", max_seq_length=256, max_batch_size=512)
@@ -158,5 +159,5 @@ def test_batch_does_not_import_losses() -> None:
         node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
     }
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert "trainer.losses" not in imported
-    assert LossNorm.__module__ == "trainer.batch"
+    assert "trainer.compute.losses" not in imported
+    assert LossNorm.__module__ == "trainer.compute.batch"

@@ -1,4 +1,5 @@
-"""Merged passes across LoRA sessions (`trainer/merge.py`, `trainer/merged_pass.py`) against a
+"""Merged passes across LoRA sessions (`trainer/engine/batching/pass_scheduler.py`,
+`trainer/engine/batching/train_pass.py`) against a
 solo run of the same operations.
 
 Four sessions with different ranks, alphas, head LoRA (train_unembed) and losses (CE, PPO,
@@ -20,9 +21,9 @@ from typing import Any
 import torch
 
 from tests.engine.helpers import grads_of, make_resource, random_batch, weights_of
-from trainer.errors import OperationError
-from trainer.options import EngineOptions
-from trainer.specs import AdamParams, Gradient, LoraConfig, LossConfig, SessionSpec
+from trainer.contract.errors import OperationError
+from trainer.contract.options import EngineOptions
+from trainer.contract.specs import AdamParams, Gradient, LoraConfig, LossConfig, SessionSpec
 
 RTOL = 1e-6
 MERGING = EngineOptions(merge_window_ms=200.0)  # generous: the barrier releases all at once

@@ -7,8 +7,8 @@ import shutil
 import pytest
 import torch
 
-from trainer.model import hub_id, load_base_model, local_dir, resolve_dtype
-from trainer.specs import ModelEntry
+from trainer.compute.model import hub_id, load_base_model, local_dir, resolve_dtype
+from trainer.contract.specs import ModelEntry
 
 
 def _fake_hub_cache(cache, repo: str, source) -> None:

@@ -21,12 +21,12 @@ from safetensors.torch import load_file
 from tests.engine import test_merge as merge_tests
 from tests.engine.helpers import assert_same, grads_of, make_resource, random_batch, weights_of
 from tests.engine.test_muon import MATCH, ORIGINAL, muon_resource, ns_reference, scale_reference
-from trainer.errors import OperationError
-from trainer.model import lora_target_parameters, peft_lora_config
-from trainer.muon import muon_split
-from trainer.optim_specs import MuonParams
-from trainer.options import EngineOptions
-from trainer.specs import AdamParams, LoraConfig, LossConfig, SessionSpec
+from trainer.compute.model import lora_target_parameters, peft_lora_config
+from trainer.compute.muon import muon_split
+from trainer.contract.errors import OperationError
+from trainer.contract.muon_params import MuonParams
+from trainer.contract.options import EngineOptions
+from trainer.contract.specs import AdamParams, LoraConfig, LossConfig, SessionSpec
 
 CE = LossConfig(type="cross_entropy")
 EXPERTS, TOP_K, HIDDEN, MOE_INTER, LAYERS = 4, 2, 64, 48, 2
@@ -146,7 +146,7 @@ def test_step0_logprobs_and_sampling_match_transformers(tiny_moe_dir, tmp_path) 
     from transformers import AutoModelForCausalLM
 
     from tests.engine.helpers import model_input
-    from trainer.specs import SamplingParams
+    from trainer.contract.specs import SamplingParams
 
     base = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float32).eval()
     for lora in (True, False):
@@ -362,7 +362,7 @@ def test_training_checkpoint_resumes_bit_exactly(tiny_moe_dir, tmp_path, lora) -
 def test_moe_sessions_run_alone_and_equal_solo(tiny_moe_dir, tiny_qwen_dir, tmp_path) -> None:
     """`segmented` (merged passes, batched samples) handles module layers only: MoE LoRA
     sessions run alone, and their concurrent calls equal a solo run."""
-    from trainer.sample_batch import batcher_for
+    from trainer.engine.batching.sample_batch import batcher_for
 
     configs = [LoraConfig(rank=4, alpha=8, seed=11), LoraConfig(rank=8, alpha=32, seed=12)]
     plans = [merge_tests._plan(kind) for kind in (0, 3)]

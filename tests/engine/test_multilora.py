@@ -1,4 +1,4 @@
-"""Segment-wise multi-adapter LoRA (`trainer.multilora.segmented`) against solo passes.
+"""Segment-wise multi-adapter LoRA (`trainer.compute.multilora.segmented`) against solo passes.
 
 Adapters are built the way `LoraPolicy` builds sessions (plus one peft adapter on q/v only and
 an idle one), with random non-zero B matrices, on the tiny Qwen3 (tied head) and Llama models.
@@ -16,10 +16,10 @@ import torch
 from peft import LoraConfig as PeftLoraConfig
 
 from tests.engine.helpers import random_batch
-from trainer.batch import use_packed_sdpa
-from trainer.multilora import Segment, lora_layers, segmented
-from trainer.policy import LoraPolicy
-from trainer.specs import LoraConfig
+from trainer.compute.batch import use_packed_sdpa
+from trainer.compute.multilora import Segment, lora_layers, segmented
+from trainer.compute.policy import LoraPolicy
+from trainer.contract.specs import LoraConfig
 
 TOL = 1e-6  # fp32
 TOL64 = 1e-10  # fp64: rounding is out of the way, any real mismatch is O(1)

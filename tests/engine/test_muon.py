@@ -13,12 +13,19 @@ import torch
 from safetensors.torch import load_file
 
 from tests.engine.helpers import assert_same, grads_of, random_batch, weights_of
-from trainer.checkpoints import CheckpointStore
-from trainer.errors import OperationError
-from trainer.muon import muon_split
-from trainer.optim_specs import MuonParams
-from trainer.resource import ModelResource
-from trainer.specs import AdamParams, LoraConfig, LossConfig, ModelEntry, ResourceSpec, SessionSpec
+from trainer.checkpoint.store import CheckpointStore
+from trainer.compute.muon import muon_split
+from trainer.contract.errors import OperationError
+from trainer.contract.muon_params import MuonParams
+from trainer.contract.specs import (
+    AdamParams,
+    LoraConfig,
+    LossConfig,
+    ModelEntry,
+    ResourceSpec,
+    SessionSpec,
+)
+from trainer.engine.resource import ModelResource
 
 CE = LossConfig(type="cross_entropy")
 MATCH = "MUON_SCALING_STRATEGY_MATCH_ADAM"

@@ -1,14 +1,14 @@
-"""`trainer/optim.py` in one process equals torch's own norm and clipping, bit for bit."""
+"""`trainer/compute/optim.py` in one process equals torch's own norm and clipping, bit for bit."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from trainer import optim
-from trainer.errors import OperationError
-from trainer.placement import Solo
-from trainer.specs import AdamParams
+from trainer.compute import optim
+from trainer.compute.placement import Solo
+from trainer.contract.errors import OperationError
+from trainer.contract.specs import AdamParams
 
 
 def _params(seed: int, scale: float = 1.0) -> list[torch.nn.Parameter]:

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from tests.engine.helpers import make_resource, model_input, sample
-from trainer import route_keys
-from trainer.errors import OperationError
-from trainer.options import EngineOptions
-from trainer.route_keys import RouteStore
-from trainer.sample_batch import sample_counters
-from trainer.specs import AdamParams, LoraConfig, LossConfig, SamplingParams, SessionSpec
+from trainer.contract.errors import OperationError
+from trainer.contract.options import EngineOptions
+from trainer.contract.specs import AdamParams, LoraConfig, LossConfig, SamplingParams, SessionSpec
+from trainer.engine import moe_replay_keys
+from trainer.engine.batching.sample_batch import sample_counters
+from trainer.engine.moe_replay_keys import RouteStore
 from trainer.tiny import TinySpec, save_model
 
 CE = LossConfig(type="cross_entropy")
@@ -143,7 +143,7 @@ def _ref_lp(w, config, s, forced) -> torch.Tensor:
 
 
 def _routes(session, key: str) -> torch.Tensor:
-    return route_keys.store_for(session).get(key)[2]
+    return moe_replay_keys.store_for(session).get(key)[2]
 
 
 # -- tests ------------------------------------------------------------------------------------
@@ -256,7 +256,7 @@ def test_keys_refused_with_the_field(moe_dir, tmp_path) -> None:
     last.model_input.chunks[0].encoded_text.tokens[-1] = 3
     a.forward_backward(CE, [last], forward_only=True)
     # expiry
-    store = route_keys.store_for(a)
+    store = moe_replay_keys.store_for(a)
     store.clock = lambda: time.time() + a.options.routes_ttl_s + 1
     try:
         refused(a, _probe(seq, seq["key"]), "expired")
@@ -282,12 +282,12 @@ def test_keys_survive_a_restart_and_keep_a_byte_budget(tmp_path) -> None:
     for _ in range(3):
         keys.append(small.put("s", [1, 2, 3, 4, 5, 6], routes))
         clock[0] += 1
-    with pytest.raises(route_keys.UnknownKey):
+    with pytest.raises(moe_replay_keys.UnknownKey):
         small.get(keys[0])  # the oldest, dropped for the budget
     assert small.get(keys[1])[0] == small.get(keys[2])[0] == "s"
     assert not (tmp_path / "b" / "routes" / f"{keys[0]}.safetensors").exists()
     clock[0] += 60
-    with pytest.raises(route_keys.UnknownKey, match="expired"):
+    with pytest.raises(moe_replay_keys.UnknownKey, match="expired"):
         small.get(keys[2])
     assert not (tmp_path / "b" / "routes" / f"{keys[2]}.safetensors").exists()
 
@@ -297,7 +297,7 @@ def test_key_works_after_a_restart_of_the_worker(moe_dir, tmp_path) -> None:
     session = resource.create_session("a", SessionSpec())
     seq = _sampled(session, n=1)[0]
     before = _forward(session, [_probe(seq, seq["key"])])[0]
-    route_keys._STORES.clear()  # a new process: a new store on the same storage
+    moe_replay_keys._STORES.clear()  # a new process: a new store on the same storage
     after = _forward(session, [_probe(seq, seq["key"])])[0]
     assert torch.equal(before, after)
 
@@ -324,9 +324,9 @@ def test_batched_samples_record_each_rows_routes(moe_dir, tmp_path, monkeypatch)
     routes (the replayed forward equals its sampled logprobs); keyed samples never merge.
     Sessions with LoRA on the experts never batch (`policy.segmentable`), so these adapt the
     attention only, as before issue 15."""
-    import trainer.model
+    import trainer.compute.model
 
-    monkeypatch.setattr(trainer.model, "lora_target_parameters", lambda model: [])
+    monkeypatch.setattr(trainer.compute.model, "lora_target_parameters", lambda model: [])
     options = EngineOptions(merge_window_ms=200.0, decode_steps_per_turn=2)
     resource = make_resource(moe_dir, tmp_path, lora=True, options=options)
     sessions = [

@@ -1,8 +1,8 @@
 """Sampling that does not block: a sample yields the compute lock every K decode steps
-(`[engine] decode_steps_per_turn`, `trainer/turns.py`), so other sessions' operations run in
+(`[engine] decode_steps_per_turn`, `trainer/compute/turns.py`), so other sessions' operations run in
 between, and its tokens, logprobs and session state stay what they are without yielding.
 Concurrent samples of several sessions run as one generation batch (`[engine] batch_samples`,
-`trainer/sample_batch.py`), each equal to the session's solo sample."""
+`trainer/engine/batching/sample_batch.py`), each equal to the session's solo sample."""
 
 from __future__ import annotations
 
@@ -17,11 +17,10 @@ import pytest
 import torch
 
 from tests.engine.helpers import assert_same, model_input, random_batch, weights_of
-from trainer.checkpoints import CheckpointStore
-from trainer.options import EngineOptions
-from trainer.resource import ModelResource
-from trainer.session import TrainingSession
-from trainer.specs import (
+from trainer.checkpoint.store import CheckpointStore
+from trainer.compute.turns import TurnLock
+from trainer.contract.options import EngineOptions
+from trainer.contract.specs import (
     AdamParams,
     LoraConfig,
     LossConfig,
@@ -30,8 +29,9 @@ from trainer.specs import (
     SamplingParams,
     SessionSpec,
 )
+from trainer.engine.resource import ModelResource
+from trainer.engine.session import TrainingSession
 from trainer.tiny import TinySpec, save_model
-from trainer.turns import TurnLock
 
 CE = LossConfig(type="cross_entropy")
 SYNC = "WEIGHT_SYNC_TYPE_SYNCHRONOUS"
@@ -383,7 +383,7 @@ def test_concurrent_samples_of_sessions_run_as_one_batch_equal_to_their_solo_sam
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """Tied (Qwen3-shaped) and untied (Llama-shaped) models; a head LoRA on two sessions."""
-    from trainer.sample_batch import _BATCHERS, sample_counters
+    from trainer.engine.batching.sample_batch import _BATCHERS, sample_counters
 
     solo_resource, solo = _jobs_resource(tiny_model_dir, tmp_path / "solo", batch=False)
     want = [_sample_job(s, i) for i, s in enumerate(solo)]
@@ -427,7 +427,7 @@ def test_a_failed_batch_fails_every_sample_in_it_and_leaves_each_session_as_it_w
     """An error mid-generation (injected into the token choice after 20 draws): all three
     samples fail with it; each session keeps its RNG stream, weights, versions and pending
     publish. The same samples then succeed as one batch."""
-    from trainer import sample_batch
+    from trainer.engine.batching import sample_batch
 
     resource, sessions = _jobs_resource(tiny_qwen_dir, tmp_path, batch=True)
     before = [(_state(s), s.versions.as_dict()) for s in sessions]

@@ -17,9 +17,9 @@ from tests.engine.helpers import (
     sample,
     weights_of,
 )
-from trainer import optim
-from trainer.errors import OperationError
-from trainer.specs import (
+from trainer.compute import optim
+from trainer.contract.errors import OperationError
+from trainer.contract.specs import (
     AdamParams,
     Gradient,
     LoraConfig,

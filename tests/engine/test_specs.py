@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from trainer.specs import (
+from trainer.contract.specs import (
     AdamParams,
     GrpoParams,
     LoraConfig,

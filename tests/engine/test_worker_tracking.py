@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.engine.helpers import make_resource, random_batch
-from trainer.specs import AdamParams, LossConfig, SessionSpec
+from trainer.contract.specs import AdamParams, LossConfig, SessionSpec
 
 
 def test_worker_logs_offline_run(tiny_qwen_dir, tmp_path, monkeypatch) -> None:

@@ -29,7 +29,7 @@ import pytest
 
 from tests.api.conftest import serve_in_thread
 from tests.faults.procs import COMPLETED, FAILED, ce_batch, output, run_op, tiny_session
-from trainer import checkpoints
+from trainer.checkpoint import store as checkpoints
 
 TOKEN = "test-token-0123456789"  # tests/api/conftest.py's
 FULL_MESSAGE = "writing the checkpoint failed: No space left on device"
@@ -318,8 +318,8 @@ def test_an_operation_running_when_the_disk_fills_still_finishes(tmp_path: Path)
     be written (a real SQLITE_FULL). A client polling it must still see it finish, with its
     output, and the catalogue gets the outcome once space is back: it used to stay PENDING
     forever, and the client polled until its timeout."""
-    from trainer.api.ops import Job, OperationLog
-    from trainer.api.store import OP_PENDING, OperationRow, WorkerStore
+    from trainer.serving.catalogue import OP_PENDING, OperationRow, WorkerStore
+    from trainer.serving.queues import Job, OperationLog
 
     storage = tmp_path / "storage"
     with _tmpfs(storage, "4m"):

@@ -39,7 +39,7 @@ from schemathesis.generation.modes import GenerationMode
 
 from tests.api.conftest import TOKEN, LiveServer, serve_in_thread
 from tests.faults.procs import new_resource, new_session
-from trainer.api.store import OP_COMPLETED, OP_FAILED, OperationRow
+from trainer.serving.catalogue import OP_COMPLETED, OP_FAILED, OperationRow
 
 EXAMPLES = int(os.environ.get("TRAINER_FUZZ_EXAMPLES", "600"))
 LIMITS = {"max_seq_length": 32, "max_batch_size": 4, "max_tokens_per_call": 96}

@@ -9,8 +9,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trainer.losses import LossInputs, LossNorm, compute_loss
-from trainer.specs import LossConfig
+from trainer.compute.losses import LossInputs, LossNorm, compute_loss
+from trainer.contract.specs import LossConfig
 
 POLICY_LOSSES = [
     ("LOSS_TYPE_IMPORTANCE_SAMPLING", {}),

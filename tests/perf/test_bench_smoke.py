@@ -29,7 +29,7 @@ def test_bench_quick_runs(tmp_path: Path, capsys) -> None:
 
 
 def test_section_replaces_only_between_markers(tmp_path: Path) -> None:
-    from trainer.bench.report import END, START, write_section
+    from benchmarks.report import END, START, write_section
 
     path = tmp_path / "BENCHMARKS.md"
     path.write_text("# Bench\n\n## Demo\nkeep me\n")

@@ -14,8 +14,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.engine.helpers import make_resource, random_batch
-from trainer.checkpoint_files import _DTYPES
-from trainer.checkpoints import TRAINING, CheckpointStore, save_tensors, seal_files, sha256_file
+from trainer.checkpoint.files import _DTYPES
+from trainer.checkpoint.store import (
+    TRAINING,
+    CheckpointStore,
+    save_tensors,
+    seal_files,
+    sha256_file,
+)
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -144,7 +150,7 @@ def test_a_file_rewritten_after_hand_off_is_hashed_again(tmp_path: Path) -> None
 def test_training_checkpoint_files_are_the_live_state(tiny_qwen_dir: Path, tmp_path: Path) -> None:
     """Written from the live tensors under the lock (no copy-out): safetensors' own loader reads
     back exactly the weights and AdamW moments of the session."""
-    from trainer.specs import AdamParams, LossConfig, SessionSpec
+    from trainer.contract.specs import AdamParams, LossConfig, SessionSpec
 
     resource = make_resource(tiny_qwen_dir, tmp_path, lora=False)
     session = resource.create_session("s", SessionSpec())

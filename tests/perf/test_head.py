@@ -1,4 +1,4 @@
-"""The tuned logprob head (`trainer.logprobs`) against naive full-logits references."""
+"""The tuned logprob head (`trainer.compute.logprobs`) against naive full-logits references."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.logprobs import linear_terms, naive_token_logprobs, token_logprobs
+from trainer.compute.logprobs import linear_terms, naive_token_logprobs, token_logprobs
 
 
 def _grads(params: list[torch.Tensor]) -> list[torch.Tensor | None]:

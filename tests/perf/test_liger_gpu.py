@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.logprobs import liger_available, token_logprobs
+from trainer.compute.logprobs import liger_available, token_logprobs
 
 pytestmark = [
     pytest.mark.gpu,

@@ -47,7 +47,7 @@ def test_bad_recipes_name_the_field(tmp_path: Path) -> None:
 
 
 def test_serve_example_is_a_valid_catalogue() -> None:
-    from trainer.api.config import ServeConfig, load_toml
+    from trainer.serving.config import ServeConfig, load_toml
 
     config = ServeConfig.model_validate(load_toml(CONFIGS / "serve.example.toml"))
     assert [m.name for m in config.models] == ["qwen3-0.6b", "tiny-digits"]

@@ -26,8 +26,8 @@ def server_url(digits_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     import uvicorn
 
     from trainer.api.app import create_app
-    from trainer.api.config import ServeConfig
-    from trainer.api.worker import Worker
+    from trainer.serving.config import ServeConfig
+    from trainer.serving.worker import Worker
     from trainer.spawn import free_port
 
     port = free_port()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.muon import MuonWithAdamW
+from trainer.compute.muon import MuonWithAdamW
 from trainer.rl.client import LocalClient
 from trainer.rl.config import Recipe, load_recipe
 from trainer.rl.loop import RLLoop, optim_params

@@ -14,8 +14,6 @@ import torch
 
 from tests.engine.helpers import grads_of, make_resource, random_batch
 from tests.tinker.venv import tinker_python
-from trainer.api.operations import OPERATIONS
-from trainer.api.requests import ForwardBackwardBody, OptimStepBody, SampleBody
 from trainer.api.tinker.convert import (
     TinkerInputError,
     forward_backward_body,
@@ -25,7 +23,9 @@ from trainer.api.tinker.convert import (
     sample_body,
     sample_output,
 )
-from trainer.specs import LoraConfig, LossConfig, SessionSpec
+from trainer.contract.specs import LoraConfig, LossConfig, SessionSpec
+from trainer.serving.operations import OPERATIONS
+from trainer.serving.requests import ForwardBackwardBody, OptimStepBody, SampleBody
 
 FORWARD_BACKWARD = OPERATIONS["forward-backward"]
 

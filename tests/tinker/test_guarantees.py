@@ -33,7 +33,7 @@ from tests.tinker import tinker_http as th
 from tests.tinker.venv import tinker_python
 from trainer.api.tinker import proto, routes
 from trainer.api.tinker.protowire import write_message
-from trainer.resource import COMPUTE_LOCK
+from trainer.engine.resource import COMPUTE_LOCK
 
 BODY_MAX = 1 << 20
 LIMITS = {"max_seq_length": 32, "max_batch_size": 4, "max_tokens_per_call": 96, "max_lora_rank": 8}

@@ -20,7 +20,7 @@ import torch
 from tests.api.conftest import TOKEN, LiveServer
 from trainer.api.tinker import proto
 from trainer.api.tinker.protowire import write_message
-from trainer.api.tinker.store import (
+from trainer.api.tinker.records import (
     TinkerCheckpoint,
     TinkerFuture,
     TinkerModel,

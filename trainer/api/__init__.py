@@ -11,12 +11,13 @@ Modules, from the edge inward:
   per-session FIFO queues, large-payload files and the SQLite catalogue;
 - `bodies`: request bodies read off the event loop, large ones parsed in a child process;
 - `operations`: the operation table, from which `routes_ops` and the SPMD proxy are derived;
-- `engine`: the protocols the engine (`trainer.resource` / `trainer.session`) satisfies;
+- `engine`: the protocols the engine (`trainer.engine.resource` / `trainer.engine.session`)
+satisfies;
 - `config`, `server`: settings of `trainer serve` and the process around the app.
 """
 
 from trainer.api.app import create_app
-from trainer.api.config import ServeConfig
-from trainer.api.worker import Worker
+from trainer.serving.config import ServeConfig
+from trainer.serving.worker import Worker
 
 __all__ = ["ServeConfig", "Worker", "create_app"]

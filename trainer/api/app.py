@@ -17,14 +17,14 @@ from fastapi import Depends, FastAPI
 from fastapi.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from trainer.api import routes_metrics, routes_ops, routes_resources, routes_sessions
 from trainer.api.auth import BearerAuth
-from trainer.api.errors import ApiError, install_handlers
-from trainer.api.ids import check_path_ids
+from trainer.api.rl import routes_metrics, routes_ops, routes_resources, routes_sessions
 from trainer.api.signing import UrlSigner
 from trainer.api.tinker.bridge import TinkerBridge
 from trainer.api.tinker.face import install as install_tinker
-from trainer.api.worker import Worker
+from trainer.serving.errors import ApiError, install_handlers
+from trainer.serving.ids import check_path_ids
+from trainer.serving.worker import Worker
 
 log = logging.getLogger(__name__)
 

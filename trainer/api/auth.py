@@ -6,7 +6,7 @@ import hmac
 
 from fastapi import Request
 
-from trainer.api.errors import ApiError
+from trainer.serving.errors import ApiError
 
 
 class BearerAuth:

@@ -27,12 +27,12 @@ import uvicorn
 from pydantic import ValidationError
 
 from trainer.api.app import create_app
-from trainer.api.config import ServeConfig, is_loopback
-from trainer.api.errors import ApiError
-from trainer.api.lifecycle import Loader
-from trainer.api.requests import CreateResourceBody, CreateSessionBody
 from trainer.api.signing import RedactSignatures
-from trainer.api.worker import Worker
+from trainer.serving.config import ServeConfig, is_loopback
+from trainer.serving.errors import ApiError
+from trainer.serving.lifecycle import Loader
+from trainer.serving.requests import CreateResourceBody, CreateSessionBody
+from trainer.serving.worker import Worker
 
 log = logging.getLogger(__name__)
 

@@ -7,11 +7,11 @@ Modules: `comm` (JSON over uint8 tensors, collectives with timeouts, joining the
 `Sharded` placement), `spmd` (the command stream: rank 0's proxies, the executor every rank
 runs, the workers' loop), `follower_store` (the checkpoint store of ranks ≠ 0). There is no
 distributed session or resource: every rank runs the one `TrainingSession` / `ModelResource`
-(`trainer/session.py`), given a `Sharded` placement and its communicator.
+(`trainer/engine/session.py`), given a `Sharded` placement and its communicator.
 
 Execution model (SPMD). Rank 0 serves HTTP; its `DistributedResource` / `DistributedSession`
 have the interface of `ModelResource` / `TrainingSession`; the session methods they forward
-are those of the operation table (`trainer.api.operations`). Each call is turned into a JSON
+are those of the operation table (`trainer.serving.operations`). Each call is turned into a JSON
 command (each argument through a pydantic `TypeAdapter` of the engine method's own
 annotation), broadcast to every rank as bytes in a
 uint8 tensor (length first, then the bytes: no pickle), and executed by every rank on its

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.options import COLLECTIVE_TIMEOUT_S
+from trainer.contract.options import COLLECTIVE_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoints import CheckpointRecord
-from trainer.training_state import placeholder_record
+from trainer.checkpoint.layout import placeholder_record
+from trainer.checkpoint.store import CheckpointRecord
 
 
 class FollowerStore:

@@ -1,6 +1,7 @@
 """FSDP2 sharding of a model (per decoder layer, then a root every compute enters through),
 gathering it back for exports, the full-weight policy whose published copy is sharded, and
-`Sharded`: the placement (`trainer.placement`) that puts all of it together for a resource."""
+`Sharded`: the placement (`trainer.compute.placement`) that puts all of it together for a
+resource."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from trainer.compute.model import load_base_model
+from trainer.compute.policy import FullPolicy, Policy
+from trainer.contract.specs import ModelEntry
 from trainer.distributed.comm import Comm
-from trainer.model import load_base_model
-from trainer.policy import FullPolicy, Policy
-from trainer.specs import ModelEntry
 
 
 class ShardedRoot(nn.Module):
@@ -132,7 +133,8 @@ class ShardedFullPolicy(FullPolicy):
 
 @dataclass
 class Sharded:
-    """The model sharded with FSDP2 over the ranks of `comm` (see `trainer.placement`). Every
+    """The model sharded with FSDP2 over the ranks of `comm` (see `trainer.compute.placement`).
+    Every
     rank reads the weights on the CPU, in the compute dtype, with the attention of the compute
     device (flash-attention on CUDA when installed, else the exact packed SDPA), then keeps
     only its shards on the device."""

@@ -16,16 +16,16 @@ from typing import Any, cast, get_type_hints
 
 from pydantic import TypeAdapter
 
-from trainer.api.operations import METHODS
-from trainer.checkpoints import CheckpointCorrupt, CheckpointRecord, CheckpointStore
+from trainer.checkpoint.store import CheckpointCorrupt, CheckpointRecord, CheckpointStore
+from trainer.contract.errors import OperationError
+from trainer.contract.specs import ModelEntry, ResourceSpec, SessionSpec
+from trainer.distributed.batching import MERGED_OP, DistributedMerger, run_group
 from trainer.distributed.comm import Comm, fault_point
 from trainer.distributed.follower_store import FollowerStore
-from trainer.distributed.merged import MERGED_OP, DistributedMerger, run_group
 from trainer.distributed.sharding import Sharded
-from trainer.errors import OperationError
-from trainer.resource import ModelResource
-from trainer.session import EngineOptions, TrainingSession
-from trainer.specs import ModelEntry, ResourceSpec, SessionSpec
+from trainer.engine.resource import ModelResource
+from trainer.engine.session import EngineOptions, TrainingSession
+from trainer.serving.operations import METHODS
 
 log = logging.getLogger(__name__)
 _ADAPTERS: dict[Callable[..., Any], dict[str, TypeAdapter[Any]]] = {}
@@ -323,7 +323,8 @@ class DistributedResource:
 def resource_loader(
     spmd: Spmd,
 ) -> Callable[[ModelEntry, ResourceSpec, CheckpointStore, str | None], DistributedResource]:
-    """A drop-in for `trainer.api.engine.load_resource` on rank 0 (the device is per rank)."""
+    """A drop-in for `trainer.serving.engine_protocols.load_resource` on rank 0 (the device is per
+    rank)."""
 
     def load(
         entry: ModelEntry, spec: ResourceSpec, store: CheckpointStore, device: str | None

@@ -283,9 +283,9 @@ class LocalClient:
         seed: int = 0,
         optimizer_config: dict[str, Any] | None = None,
     ) -> None:
-        from trainer.checkpoints import CheckpointStore
-        from trainer.resource import ModelResource
-        from trainer.specs import LoraConfig, ModelEntry, ResourceSpec, SessionSpec
+        from trainer.checkpoint.store import CheckpointStore
+        from trainer.contract.specs import LoraConfig, ModelEntry, ResourceSpec, SessionSpec
+        from trainer.engine.resource import ModelResource
 
         entry = ModelEntry(
             name=name,
@@ -303,7 +303,7 @@ class LocalClient:
     def sample(
         self, prompts: list[list[int]], num_samples: int, sampling: dict[str, Any]
     ) -> list[list[Completion]]:
-        from trainer.specs import ModelInput, SamplingParams
+        from trainer.contract.specs import ModelInput, SamplingParams
 
         out = self.session.sample(
             [ModelInput.model_validate(_model_input(p)) for p in prompts],
@@ -323,7 +323,7 @@ class LocalClient:
     def forward_backward(
         self, samples: list[dict[str, Any]], loss: dict[str, Any], with_logprobs: bool
     ) -> dict[str, Any]:
-        from trainer.specs import LossConfig, Sample
+        from trainer.contract.specs import LossConfig, Sample
 
         return self.session.forward_backward(
             LossConfig.model_validate(loss),
@@ -332,8 +332,8 @@ class LocalClient:
         )
 
     def optim_step(self, params: dict[str, Any]) -> dict[str, Any]:
-        from trainer.optim_specs import MuonParams
-        from trainer.specs import AdamParams
+        from trainer.contract.muon_params import MuonParams
+        from trainer.contract.specs import AdamParams
 
         adam, muon = params.get("adam_params"), params.get("muon_params")
         return self.session.optim_step(

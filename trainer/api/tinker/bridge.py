@@ -21,16 +21,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from trainer.api.errors import ApiError, bad_request
-from trainer.api.operations import OPERATIONS
-from trainer.api.requests import CreateSessionBody
-from trainer.api.routes_ops import prepare_call
-from trainer.api.store import (
-    OP_COMPLETED,
-    RES_READY,
-    SES_RUNNING,
-)
-from trainer.api.tinker.store import (
+from trainer.api.rl.routes_ops import prepare_call
+from trainer.api.tinker.records import (
     DONE,
     FAILED,
     PENDING,
@@ -40,9 +32,17 @@ from trainer.api.tinker.store import (
     TinkerStore,
 )
 from trainer.api.tinker.waiters import Waiters
-from trainer.api.worker import EngineCall, Worker
-from trainer.errors import OperationError
-from trainer.specs import ModelEntry, ResourceSpec
+from trainer.contract.errors import OperationError
+from trainer.contract.specs import ModelEntry, ResourceSpec
+from trainer.serving.catalogue import (
+    OP_COMPLETED,
+    RES_READY,
+    SES_RUNNING,
+)
+from trainer.serving.errors import ApiError, bad_request
+from trainer.serving.operations import OPERATIONS
+from trainer.serving.requests import CreateSessionBody
+from trainer.serving.worker import EngineCall, Worker
 
 log = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ from trainer.api.tinker.convert_inputs import (
     tensor_values,
     token_ids,
 )
-from trainer.specs import AdamParams
+from trainer.contract.specs import AdamParams
 
 __all__ = [
     "TinkerInputError",

@@ -8,10 +8,10 @@ import re
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 
-from trainer.api.errors import ApiError, bad_request
 from trainer.api.tinker import routes, routes_runs, routes_train, sampling
 from trainer.api.tinker.bridge import TinkerBridge
-from trainer.api.worker import Worker
+from trainer.serving.errors import ApiError, bad_request
+from trainer.serving.worker import Worker
 
 PREFIX = "/api/v1"
 KEY_PREFIX = "tml-"

@@ -11,10 +11,10 @@ downloads what the other saved.
 
 from __future__ import annotations
 
-from trainer.api.errors import ApiError, bad_request, not_found
 from trainer.api.tinker.bridge import TinkerBridge
-from trainer.api.tinker.store import TinkerCheckpoint
-from trainer.checkpoints import INFERENCE, TRAINING, CheckpointRecord
+from trainer.api.tinker.records import TinkerCheckpoint
+from trainer.checkpoint.store import INFERENCE, TRAINING, CheckpointRecord
+from trainer.serving.errors import ApiError, bad_request, not_found
 
 SEGMENTS = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}
 KINDS = {segment: kind for kind, segment in SEGMENTS.items()}

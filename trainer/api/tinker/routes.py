@@ -19,13 +19,11 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from trainer.api.errors import ApiError, from_pydantic, not_found
-from trainer.api.route_helpers import json_object
-from trainer.api.store import SES_RUNNING, SessionRow
+from trainer.api.http import json_object
 from trainer.api.tinker import convert, paths, proto
 from trainer.api.tinker.bridge import TinkerBridge
-from trainer.api.tinker.store import DONE, FAILED, TinkerFuture, TinkerModel, TinkerSession
-from trainer.api.tinker.wire import (
+from trainer.api.tinker.records import DONE, FAILED, TinkerFuture, TinkerModel, TinkerSession
+from trainer.api.tinker.requests import (
     CreateModel,
     CreateSession,
     ModelRef,
@@ -33,6 +31,8 @@ from trainer.api.tinker.wire import (
     SessionRef,
     WeightsInfo,
 )
+from trainer.serving.catalogue import SES_RUNNING, SessionRow
+from trainer.serving.errors import ApiError, from_pydantic, not_found
 
 router = APIRouter()
 CONTROL_BODY_MAX = 1 << 20  # the JSON bodies of this face carry a few fields

@@ -14,16 +14,16 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 
-from trainer.api.errors import ApiError, bad_request, not_found
-from trainer.api.route_helpers import base_url
-from trainer.api.routes_resources import FILE_PATH
-from trainer.api.store import SessionRow
+from trainer.api.http import base_url
+from trainer.api.rl.routes_resources import FILE_PATH
 from trainer.api.tinker import paths
 from trainer.api.tinker.bridge import TinkerBridge
+from trainer.api.tinker.records import TinkerCheckpoint, TinkerModel, TinkerSampler, TinkerSession
 from trainer.api.tinker.routes import bridge_of
-from trainer.api.tinker.store import TinkerCheckpoint, TinkerModel, TinkerSampler, TinkerSession
-from trainer.api.wire import iso
-from trainer.checkpoints import INFERENCE, CheckpointCorrupt, CheckpointRecord
+from trainer.checkpoint.store import INFERENCE, CheckpointCorrupt, CheckpointRecord
+from trainer.serving.catalogue import SessionRow
+from trainer.serving.errors import ApiError, bad_request, not_found
+from trainer.serving.responses import iso
 
 router = APIRouter()
 TINKER_SESSION_PREFIX = "tinker "  # display name of the engine sessions this face opens
@@ -98,7 +98,7 @@ def run_json(bridge: TinkerBridge, run_id: str) -> dict[str, Any]:
 
 
 def _session_base_model(bridge: TinkerBridge, row: SessionRow) -> str:
-    from trainer.api.store import ResourceRow
+    from trainer.serving.catalogue import ResourceRow
 
     resource = bridge.worker.store.get(ResourceRow, row.resource_id)
     return str(resource.spec.get("base_model")) if resource is not None else ""

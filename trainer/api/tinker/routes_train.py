@@ -16,11 +16,17 @@ import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 
-from trainer.api.bodies import too_large
-from trainer.api.errors import bad_request, not_found
-from trainer.api.route_helpers import json_object
+from trainer.api.http import json_object
 from trainer.api.tinker import convert, paths, proto
 from trainer.api.tinker.bridge import RequestFailed, TinkerBridge
+from trainer.api.tinker.records import TinkerCheckpoint, TinkerModel, TinkerSession
+from trainer.api.tinker.requests import (
+    LoadWeights,
+    ModelRef,
+    SaveWeights,
+    SaveWeightsExternal,
+    SaveWeightsForSampler,
+)
 from trainer.api.tinker.routes import (
     LORA_ALPHA,
     bridge_of,
@@ -33,14 +39,8 @@ from trainer.api.tinker.routes import (
     seq_id_of,
 )
 from trainer.api.tinker.sampling import new_sampler
-from trainer.api.tinker.store import TinkerCheckpoint, TinkerModel, TinkerSession
-from trainer.api.tinker.wire import (
-    LoadWeights,
-    ModelRef,
-    SaveWeights,
-    SaveWeightsExternal,
-    SaveWeightsForSampler,
-)
+from trainer.serving.bodies import too_large
+from trainer.serving.errors import bad_request, not_found
 
 router = APIRouter()
 

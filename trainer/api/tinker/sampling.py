@@ -18,12 +18,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 
-from trainer.api.errors import ApiError, bad_request, not_found
-from trainer.api.operations import OPERATIONS
-from trainer.api.route_helpers import json_object
-from trainer.api.store import SES_RUNNING, SessionRow
+from trainer.api.http import json_object
 from trainer.api.tinker import convert, paths
 from trainer.api.tinker.bridge import TinkerBridge, tinker_named
+from trainer.api.tinker.records import TinkerSampler, TinkerSession
+from trainer.api.tinker.requests import CreateSamplingSession
 from trainer.api.tinker.routes import (
     bridge_of,
     future_json,
@@ -32,9 +31,10 @@ from trainer.api.tinker.routes import (
     parse,
     seq_id_of,
 )
-from trainer.api.tinker.store import TinkerSampler, TinkerSession
-from trainer.api.tinker.wire import CreateSamplingSession
-from trainer.api.worker import EngineCall
+from trainer.serving.catalogue import SES_RUNNING, SessionRow
+from trainer.serving.errors import ApiError, bad_request, not_found
+from trainer.serving.operations import OPERATIONS
+from trainer.serving.worker import EngineCall
 
 router = APIRouter()
 MAX_SAMPLER_SESSIONS = 4
@@ -166,7 +166,7 @@ async def get_sampler(request: Request, sampler_id: str) -> dict[str, Any]:
 def _prepare_sample(bridge: TinkerBridge, base_model: str, body: dict[str, Any]) -> EngineCall:
     from pydantic import ValidationError
 
-    from trainer.api.errors import from_pydantic
+    from trainer.serving.errors import from_pydantic
 
     spec = OPERATIONS["sample"]
     try:

@@ -1,0 +1,69 @@
+"""Small request helpers shared by the routers: the worker, URLs, list query parameters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+
+from trainer.api.signing import refused_param
+from trainer.contract.values import parse_int_text
+from trainer.serving.bodies import read_json
+from trainer.serving.errors import ApiError, bad_request
+from trainer.serving.worker import Worker
+
+
+def worker_of(request: Request) -> Worker:
+    worker: Worker = request.app.state.worker
+    return worker
+
+
+def base_url(request: Request) -> str:
+    """Where signed URLs point: `public_url` if configured, else the URL the client used."""
+    public: str | None = worker_of(request).config.public_url
+    return public.rstrip("/") if public else str(request.base_url).rstrip("/")
+
+
+def verify_signed(request: Request, method: str) -> None:
+    """Refuse (403) a signed-URL request whose signature is missing, wrong or expired."""
+    query = request.query_params
+    reason = request.app.state.signer.verify(
+        method, request.url.path, query.get("expires"), query.get("sig")
+    )
+    if reason is not None:
+        param = refused_param(reason)
+        raise ApiError(
+            403, f"{param}: signed URL refused: {reason}", param=param, code="invalid_signature"
+        )
+
+
+def parse_limit(raw: str | None, default: int = 20) -> int:
+    """`limit` of a list route: ASCII digits in [1, 100] (no Unicode digits, no 5,000-digit
+    numbers: those are a 400 naming `limit`, not a crash in `int()`)."""
+    if raw is None or raw == "":
+        return default
+    value = parse_int_text(raw)
+    if value is None or not 1 <= value <= 100:
+        shown = raw if len(raw) <= 40 else f"{raw[:40]}... ({len(raw)} characters)"
+        raise bad_request(f"limit: must be an integer in [1, 100], got {shown!r}", "limit")
+    return value
+
+
+def parse_statuses(request: Request, allowed: tuple[str, ...]) -> list[str] | None:
+    """`status` filters as the SDK sends them (comma-joined) or as `status[]`, repeated."""
+    values: list[str] = []
+    for key in ("status", "status[]"):
+        for raw in request.query_params.getlist(key):
+            values.extend(v.strip() for v in raw.split(",") if v.strip())
+    for value in values:
+        if value not in allowed:
+            raise bad_request(f"status: unknown status {value!r}; one of {list(allowed)}", "status")
+    return values or None
+
+
+async def json_object(request: Request, limit: int, *, arrays: bool = False) -> dict[str, Any]:
+    """The body's JSON object (`{}` if empty), 413 past `limit`, parsed off the event loop: in
+    a thread when small, in the body parser's child process when large (`trainer.serving.bodies`).
+    `arrays`: an operation body, whose bulk numeric lists come back as numpy arrays."""
+    parser = worker_of(request).payloads.parser
+    return await read_json(request, limit, parser, pack=arrays)

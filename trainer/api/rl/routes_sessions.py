@@ -1,0 +1,169 @@
+"""`/rl/training-sessions...`: create, list, get, patch, stop, and payload URLs."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import FileResponse
+from pydantic import ValidationError
+
+from trainer.api.http import (
+    base_url,
+    json_object,
+    parse_limit,
+    parse_statuses,
+    verify_signed,
+    worker_of,
+)
+from trainer.contract.errors import OperationError
+from trainer.serving.catalogue import SES_LIVE, ResourceRow, SessionRow
+from trainer.serving.errors import (
+    ApiError,
+    bad_request,
+    failed_precondition,
+    from_pydantic,
+    not_found,
+)
+from trainer.serving.requests import CreateSessionBody, UpdateSessionBody
+from trainer.serving.responses import page_json, session_json
+from trainer.serving.worker import Worker
+
+router = APIRouter()
+files_router = APIRouter()
+
+_SESSION_STATUSES = (
+    "TRAINING_SESSION_STATUS_CREATING",
+    "TRAINING_SESSION_STATUS_RUNNING",
+    "TRAINING_SESSION_STATUS_STOPPED",
+    "TRAINING_SESSION_STATUS_STOPPING",
+    "TRAINING_SESSION_STATUS_ERROR",
+    "TRAINING_SESSION_STATUS_EXPIRED",
+)
+PAYLOAD_PATH = "/v1/rl/payloads/{session_id}/{payload_id}"
+
+
+async def render(worker: Worker, row: SessionRow) -> dict[str, Any]:
+    resource = worker.store.get(ResourceRow, row.resource_id)
+    base_model = resource.spec["base_model"] if resource is not None else ""
+    checkpoints = worker.checkpoints.list(session_id=row.id, limit=100_000, oldest_first=True)
+    live = await run_in_threadpool(worker.live_policy, row.id)
+    return session_json(row, base_model, checkpoints, live)
+
+
+@router.post("/rl/training-sessions")
+async def create_session(request: Request, body: CreateSessionBody) -> dict[str, Any]:
+    worker = worker_of(request)
+    session_id, future = worker.create_session(body)
+    try:
+        row = await asyncio.wait_for(
+            asyncio.shield(asyncio.wrap_future(future)), worker.config.session_create_wait_s
+        )
+    except asyncio.TimeoutError:  # still opening: the client polls until RUNNING
+        row = worker.session(session_id)
+    except OperationError as exc:
+        raise bad_request(exc.message, exc.field) from None
+    return await render(worker, row)
+
+
+@router.get("/rl/training-sessions")
+async def list_sessions(
+    request: Request,
+    after: str | None = None,
+    created_by: str | None = None,
+    limit: str | None = None,
+    model_resources_id: str | None = None,
+) -> dict[str, Any]:
+    worker = worker_of(request)
+    size = parse_limit(limit)
+    statuses = parse_statuses(request, _SESSION_STATUSES)
+    if created_by not in (None, "", "me", "local"):
+        return page_json([], False, size)
+    where = {"resource_id": model_resources_id} if model_resources_id else None
+    rows, more = worker.store.page(
+        SessionRow, after=after or None, limit=size, where=where, statuses=statuses
+    )
+    return page_json([await render(worker, r) for r in rows], more, size)
+
+
+@router.get("/rl/training-sessions/{session_id}")
+async def get_session(request: Request, session_id: str) -> dict[str, Any]:
+    worker = worker_of(request)
+    return await render(worker, worker.session(session_id))
+
+
+@router.patch("/rl/training-sessions/{session_id}")
+async def update_session(request: Request, session_id: str) -> dict[str, Any]:
+    worker = worker_of(request)
+    worker.session(session_id)
+    raw = await json_object(request, worker.config.max_body_bytes)
+    try:
+        body = UpdateSessionBody.model_validate(raw)
+    except ValidationError as exc:  # unknown metadata keys included: the SDK has no others
+        raise from_pydantic(exc) from None
+    # only what the client set: omitted fields stay, "" clears (merge_metadata)
+    metadata = body.metadata.model_dump(exclude_unset=True) if body.metadata else None
+    row = worker.update_session(session_id, body.display_name, metadata)
+    return await render(worker, row)
+
+
+@router.post("/rl/training-sessions/{session_id}/stop")
+async def stop_session(request: Request, session_id: str) -> dict[str, Any]:
+    worker = worker_of(request)
+    row = await run_in_threadpool(worker.stop_session, session_id)
+    return await render(worker, row)
+
+
+# -- payloads ------------------------------------------------------------------------------
+
+
+@router.post("/rl/training-sessions/{session_id}/payloads/upload-url")
+async def upload_url(request: Request, session_id: str) -> dict[str, str]:
+    worker = worker_of(request)
+    worker.session(session_id)
+    payload_id = worker.payloads.new_id()
+    path = PAYLOAD_PATH.format(session_id=session_id, payload_id=payload_id)
+    url = request.app.state.signer.sign(base_url(request), "PUT", path)
+    return {"payload_id": payload_id, "upload_url": url}
+
+
+@router.post("/rl/training-sessions/{session_id}/payloads/{payload_id}/download-url")
+async def download_url(request: Request, session_id: str, payload_id: str) -> dict[str, str]:
+    worker = worker_of(request)
+    worker.session(session_id)
+    if not worker.payloads.path(session_id, payload_id).is_file():
+        raise not_found("payload", payload_id, "payload_id")
+    path = PAYLOAD_PATH.format(session_id=session_id, payload_id=payload_id)
+    return {"download_url": request.app.state.signer.sign(base_url(request), "GET", path)}
+
+
+def _verify(request: Request, method: str) -> None:
+    verify_signed(request, method)
+
+
+@files_router.put(PAYLOAD_PATH)
+async def put_payload(request: Request, session_id: str, payload_id: str) -> dict[str, Any]:
+    _verify(request, "PUT")
+    worker = worker_of(request)
+    status = worker.session(session_id).status
+    if status not in SES_LIVE:  # its payloads were deleted when it stopped: keep it that way
+        raise failed_precondition(
+            f"session_id: session {session_id} is {status}; it takes no more payloads",
+            "session_id",
+        )
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > worker.payloads.max_bytes:
+        raise ApiError(413, f"payload exceeds {worker.payloads.max_bytes} bytes", code="too_large")
+    size = await worker.payloads.write_stream(session_id, payload_id, request.stream())
+    return {"payload_id": payload_id, "size": size}
+
+
+@files_router.get(PAYLOAD_PATH)
+async def get_payload(request: Request, session_id: str, payload_id: str) -> FileResponse:
+    _verify(request, "GET")
+    path = worker_of(request).payloads.path(session_id, payload_id)
+    if not path.is_file():
+        raise not_found("payload", payload_id, "payload_id")
+    return FileResponse(path, media_type="application/json")

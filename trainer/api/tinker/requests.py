@@ -1,0 +1,151 @@
+"""The Tinker SDK's JSON request bodies (tinker 0.38 `types/`), validated once at the edge.
+
+Unknown fields are ignored, as newer SDKs may send more. Each model keeps the SDK's field
+names, so a 400 names the field the SDK user set. Tensor-heavy bodies (forward-backward,
+optim params, sampling) are validated by `trainer.api.tinker.convert` on their way to the
+engine's own bodies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from trainer.contract.specs import Spec
+
+NAME_MAX = 256
+
+
+class CreateSession(Spec):
+    tags: list[str] = Field(default_factory=list, max_length=64)
+    user_metadata: dict[str, Any] | None = None
+    sdk_version: str = Field(default="", max_length=64)
+    project_id: str | None = Field(default=None, max_length=NAME_MAX)
+    display_name: str | None = Field(default=None, max_length=NAME_MAX)
+
+
+class SessionRef(Spec):
+    session_id: str = Field(min_length=1, max_length=NAME_MAX)
+
+
+class TinkerLoraConfig(Spec):
+    rank: int = Field(ge=1)
+    seed: int | None = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+    @model_validator(mode="after")
+    def _all_blocks(self) -> TinkerLoraConfig:
+        for name in ("train_mlp", "train_attn"):
+            if not getattr(self, name):
+                raise ValueError(
+                    f"{name}: false is not served here (LoRA covers the attention and MLP "
+                    "projections of every layer)"
+                )
+        return self
+
+
+class OptimizerConfig(Spec):
+    type: str = "adamw"
+
+    @model_validator(mode="after")
+    def _adam(self) -> OptimizerConfig:
+        if self.type != "adamw":
+            raise ValueError(
+                f"type: optimizer {self.type!r} is not served through the Tinker API; use "
+                "'adamw' (Muon is served through the RL session API's optimizer_config)"
+            )
+        return self
+
+
+class CreateModel(Spec):
+    session_id: str = Field(min_length=1, max_length=NAME_MAX)
+    model_seq_id: int = Field(ge=0)
+    base_model: str = Field(min_length=1, max_length=NAME_MAX)
+    user_metadata: dict[str, Any] | None = None
+    lora_config: TinkerLoraConfig | None = None
+    optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
+
+
+class ModelRef(Spec):
+    model_id: str = Field(min_length=1, max_length=NAME_MAX)
+
+
+class SaveWeights(Spec):
+    model_id: str = Field(min_length=1, max_length=NAME_MAX)
+    path: str | None = Field(default=None, max_length=NAME_MAX)
+    seq_id: int | None = None
+    ttl_seconds: int | None = Field(default=None, ge=1)
+    overwrite: bool = False
+    user_metadata: dict[str, str] | None = None
+
+
+class SaveWeightsForSampler(Spec):
+    model_id: str = Field(min_length=1, max_length=NAME_MAX)
+    path: str | None = Field(default=None, max_length=NAME_MAX)
+    sampling_session_seq_id: int | None = None
+    kind: str = "snapshot"
+    seq_id: int | None = None
+    ttl_seconds: int | None = Field(default=None, ge=1)
+    user_metadata: dict[str, str] | None = None
+
+
+class LoadWeights(Spec):
+    model_id: str | None = Field(default=None, max_length=NAME_MAX)
+    seq_id: int | None = None
+    session_id: str | None = Field(default=None, max_length=NAME_MAX)
+    model_seq_id: int | None = Field(default=None, ge=0)
+    base_model: str | None = Field(default=None, max_length=NAME_MAX)
+    user_metadata: dict[str, Any] | None = None
+    path: str = Field(min_length=1, max_length=4096)
+    optimizer: bool = False
+    optimizer_config: OptimizerConfig | None = None
+
+    @model_validator(mode="after")
+    def _addressed(self) -> LoadWeights:
+        if self.model_id is None and (self.session_id is None or self.model_seq_id is None):
+            raise ValueError("model_id: set model_id, or session_id with model_seq_id")
+        if self.model_id is not None and self.session_id is not None:
+            raise ValueError("session_id: mutually exclusive with model_id")
+        return self
+
+
+class CreateSamplingSession(Spec):
+    session_id: str = Field(min_length=1, max_length=NAME_MAX)
+    sampling_session_seq_id: int = Field(ge=0)
+    base_model: str | None = Field(default=None, max_length=NAME_MAX)
+    model_path: str | None = Field(default=None, max_length=4096)
+
+    @model_validator(mode="after")
+    def _target(self) -> CreateSamplingSession:
+        if self.base_model is None and self.model_path is None:
+            raise ValueError("base_model: set base_model or model_path")
+        return self
+
+
+class RetrieveFuture(Spec):
+    request_id: str = Field(min_length=1, max_length=NAME_MAX)
+    allow_metadata_only: bool = False
+
+
+class WeightsInfo(Spec):
+    tinker_path: str = Field(min_length=1, max_length=4096)
+
+
+class SaveWeightsExternal(Spec):
+    model_id: str = Field(min_length=1, max_length=NAME_MAX)
+    path: str = Field(min_length=1, max_length=NAME_MAX)
+    seq_id: int | None = None
+    ttl_seconds: int | None = Field(default=None, ge=1)
+    age_encryption_recipients: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _plain(self) -> SaveWeightsExternal:
+        if self.age_encryption_recipients:
+            raise ValueError(
+                "age_encryption_recipients: encrypted exports are not served; the files stay "
+                "on this worker and download through signed URLs"
+            )
+        return self

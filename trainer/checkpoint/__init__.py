@@ -1,0 +1,1 @@
+"""Durable state on disk: verified files, the atomic store, the checkpoint layouts."""

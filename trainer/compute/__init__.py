@@ -1,0 +1,1 @@
+"""Torch on one loaded model: loading, batches, logprobs, losses, policies, optimizers, decoding."""

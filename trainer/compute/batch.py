@@ -1,0 +1,455 @@
+"""From wire samples to tensors: validation, then padding-free packing into micro-batches.
+
+Validation happens here, before any weight is touched, and every refusal names the field
+(`samples[3].loss_fn_inputs.target_tokens[7]: token id 999 out of range [0, 128)`).
+
+Packing: the samples of a call are laid end to end into rows of at most `row_tokens` tokens
+(first-fit, longest first; a sample is never split), with position ids restarting at each
+sample and a block-diagonal causal mask, so each sample attends only to itself. Rows are
+grouped into micro-batches of at most `token_budget` tokens. Loss denominators are computed
+over the whole call before the first micro-batch (`LossNorm`), so the gradient does not depend
+on how the call was split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from trainer.contract.arrays import as_float32, first
+from trainer.contract.errors import invalid
+from trainer.contract.options import ROW_TOKENS, TOKEN_BUDGET
+from trainer.contract.specs import Gradient, InputRule, Sample
+
+FLOAT_INPUTS = ("logprobs", "advantages", "reference_logprobs", "weights", "mask")
+
+
+@dataclass
+class PreparedSample:
+    """One validated sample. T = its token count."""
+
+    index: int
+    tokens_T: torch.Tensor
+    targets_T: torch.Tensor
+    mask_T: torch.Tensor  # fp32 0/1
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # fp32 per-token inputs
+    keep_all: bool = False  # compute (and return) every position; the loss still reads mask_T
+    # MoE routing replay: recorded expert ids [positions, layers, k] of its first positions
+    # (`route_keys.attach_routes`); they follow the sample wherever it is packed (`routing.plan`)
+    routes: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens_T.shape[0])
+
+    @property
+    def kept_T(self) -> torch.Tensor:
+        """The positions whose logprobs are computed: mask != 0, or all with `keep_all`."""
+        if self.keep_all:
+            return torch.ones(self.length, dtype=torch.bool)
+        return self.mask_T != 0
+
+
+def prepare_samples(
+    samples: list[Sample],
+    *,
+    vocab_size: int,
+    max_seq_length: int,
+    max_batch_size: int,
+    required: tuple[str, ...] = (),
+    weights_are_mask: bool = True,
+    gradients: list[Gradient] | None = None,
+) -> list[PreparedSample]:
+    """Validate a call's samples and turn them into tensors (CPU).
+
+    With `weights_are_mask` (every loss but cross entropy), non-zero weights become mask 1.
+    Cross entropy keeps fractional `weights` and masks where `w == 0`.
+    """
+    if not samples:
+        raise invalid("samples", "at least one sample is required")
+    if len(samples) > max_batch_size:
+        raise invalid("samples", f"{len(samples)} samples exceed max_batch_size {max_batch_size}")
+    if gradients is not None and len(gradients) != len(samples):
+        raise invalid(
+            "gradients", f"expected {len(samples)} entries (one per sample), got {len(gradients)}"
+        )
+    prepared = []
+    for i, sample in enumerate(samples):
+        grad = gradients[i] if gradients is not None else None
+        prepared.append(
+            _prepare_one(i, sample, vocab_size, max_seq_length, required, weights_are_mask, grad)
+        )
+    return prepared
+
+
+def _prepare_one(
+    i: int,
+    sample: Sample,
+    vocab_size: int,
+    max_seq_length: int,
+    required: tuple[str, ...],
+    weights_are_mask: bool,
+    gradient: Gradient | None,
+) -> PreparedSample:
+    where = f"samples[{i}]"
+    try:
+        tokens: Any = sample.model_input.token_array()
+    except OverflowError:  # a listed id past int64: `_check_ids` names it
+        tokens = sample.model_input.tokens
+    length = len(tokens)
+    if length == 0:
+        raise invalid(f"{where}.model_input", "has no tokens")
+    if length > max_seq_length:
+        raise invalid(
+            f"{where}.model_input", f"{length} tokens exceed max_seq_length {max_seq_length}"
+        )
+    tokens = _check_ids(tokens, vocab_size, f"{where}.model_input.chunks")
+    inputs = sample.loss_fn_inputs
+    if "target_tokens" not in inputs:
+        raise invalid(f"{where}.loss_fn_inputs.target_tokens", "is required")
+    for name in required:
+        if name not in inputs:
+            raise invalid(f"{where}.loss_fn_inputs.{name}", "is required by this loss")
+    if "weights" in inputs and "mask" in inputs:
+        raise invalid(f"{where}.loss_fn_inputs", "give weights or mask, not both")
+    for name, tensor in inputs.items():
+        if len(tensor.data) != length:
+            raise invalid(
+                f"{where}.loss_fn_inputs.{name}",
+                f"has {len(tensor.data)} values but model_input has {length} tokens",
+            )
+    if inputs["target_tokens"].dtype != "int64":
+        raise invalid(f"{where}.loss_fn_inputs.target_tokens", "dtype must be int64")
+    targets = _check_ids(
+        inputs["target_tokens"].data, vocab_size, f"{where}.loss_fn_inputs.target_tokens"
+    )
+    # float64 then float32, as `torch.tensor([float(v) ...], dtype=float32)` rounded
+    floats: dict[str, torch.Tensor] = {}
+    for name in FLOAT_INPUTS:
+        if name in inputs:
+            floats[name] = torch.from_numpy(as_float32(inputs[name].data))
+    if gradient is not None:
+        if len(gradient.data) != length:
+            raise invalid(
+                f"gradients[{i}].data",
+                f"has {len(gradient.data)} values but samples[{i}] has {length} tokens",
+            )
+        floats["gradients"] = torch.from_numpy(as_float32(gradient.data))
+    if "mask" in floats:
+        mask = (floats["mask"] != 0).float()
+    elif "weights" in floats:
+        mask = (floats["weights"] != 0).float()
+        if weights_are_mask:
+            floats["weights"] = mask
+    else:
+        mask = torch.ones(length, dtype=torch.float32)
+    return PreparedSample(
+        index=i,
+        tokens_T=torch.from_numpy(tokens),
+        targets_T=torch.from_numpy(targets),
+        mask_T=mask,
+        inputs=floats,
+    )
+
+
+def _check_ids(values: Any, vocab_size: int, where: str) -> npt.NDArray[np.int64]:
+    """Token ids (a list or a packed array) as a fresh int64 array, each in `[0, vocab)`."""
+    try:
+        ids = np.array(values, dtype=np.int64)  # a copy: tensors never alias the request
+    except OverflowError:  # a Python int past int64
+        ids = np.array([t if 0 <= t < vocab_size else -1 for t in values], dtype=np.int64)
+    bad = first((ids < 0) | (ids >= vocab_size))
+    if bad is not None:
+        raise invalid(f"{where}[{bad}]", f"token id {values[bad]} out of range [0, {vocab_size})")
+    return ids
+
+
+def check_rules(samples: list[PreparedSample], rules: tuple[InputRule, ...]) -> None:
+    """The inputs a loss needs only with its params (`LossSpec.rules_for`), after every sample
+    passed `prepare_samples`."""
+    for rule in rules:
+        for s in samples:
+            if rule.input not in s.inputs:
+                raise invalid(
+                    f"samples[{s.index}].loss_fn_inputs.{rule.input}", f"is required {rule.reason}"
+                )
+
+
+@dataclass(frozen=True)
+class LossNorm:
+    """Call-level denominators, fixed before the first micro-batch of a call."""
+
+    total_mask: float  # Σ m_t over the whole call
+    total_samples: int  # number of samples in the whole call
+    horizon: int  # longest sample's token count in the whole call (FIXED_HORIZON's H)
+
+
+def loss_norm(samples: list[PreparedSample]) -> LossNorm:
+    """The call-level denominators, fixed before the first micro-batch."""
+    return LossNorm(
+        total_mask=float(sum(float(s.mask_T.sum()) for s in samples)),
+        total_samples=len(samples),
+        horizon=max(s.length for s in samples),
+    )
+
+
+@dataclass
+class MicroBatch:
+    """Packed rows. R = rows, L = longest row; P = tokens kept for the loss (mask != 0).
+
+    `tokens_R_L`, `position_ids_R_L` and `attention_mask_R_1_L_L` feed the decoder;
+    `keep_index_P` indexes the flattened `[R*L]` hidden states of the kept positions, in the
+    order of `samples` and then position; `sample_index_P` is the micro-batch-local sample index.
+    `segment_R_L`: the sample index at each position (-1: padding); the dense mask is built from
+    it only when an attention asks for one (a varlen attention never does).
+    """
+
+    samples: list[PreparedSample]
+    tokens_R_L: torch.Tensor
+    position_ids_R_L: torch.Tensor
+    segment_R_L: torch.Tensor
+    keep_index_P: torch.Tensor
+    sample_index_P: torch.Tensor
+    targets_P: torch.Tensor
+    row_lengths: list[int] = field(default_factory=list)  # real tokens per row, left-aligned
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.length for s in self.samples)
+
+    @property
+    def attention_mask_R_1_L_L(self) -> torch.Tensor:
+        """The block-diagonal causal mask (True = attend), built on each call."""
+        segment = self.segment_R_L
+        width = segment.shape[1]
+        causal = torch.ones(width, width, dtype=torch.bool).tril()
+        same = segment[:, :, None] == segment[:, None, :]
+        mask = (causal[None] & same & (segment[:, :, None] >= 0))[:, None]
+        # Padding rows attend to themselves only, so no softmax row is empty.
+        eye = torch.eye(width, dtype=torch.bool)[None, None]
+        return mask | (eye & (segment[:, None, :, None] < 0))
+
+    def gather(self, name: str) -> torch.Tensor | None:
+        """A per-token input of the samples, at the kept positions, in `_P` order."""
+        if not all(name in s.inputs for s in self.samples):
+            return None
+        return torch.cat([s.inputs[name][s.kept_T] for s in self.samples])
+
+    def mask_P(self) -> torch.Tensor:
+        """m_t at the kept positions: all ones unless a sample keeps every position."""
+        if not any(s.keep_all for s in self.samples):
+            return torch.ones(self.keep_index_P.shape[0], dtype=torch.float32)
+        return torch.cat([s.mask_T[s.kept_T] for s in self.samples])
+
+    def decoder_inputs(
+        self,
+        attn_implementation: str | None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Keyword arguments for the decoder's forward, and the index of the kept positions in
+        its flattened `last_hidden_state` (use it in place of `keep_index_P`).
+
+        With a varlen attention (FlashAttention, or `packed_sdpa` below), the rows go in as one
+        `[1, Σ tokens]` row without padding or mask: the kernel splits it where the position
+        ids restart, so no `L×L` mask is built or applied and no padding is computed. Any other
+        implementation (sdpa, eager) gets the padded rows and the block-diagonal causal mask,
+        in the form it takes (`attention_mask`; `dtype`: the model's).
+        """
+        if not is_varlen(attn_implementation):
+            inputs = {
+                "input_ids": self.tokens_R_L.to(device),
+                "position_ids": self.position_ids_R_L.to(device),
+                "attention_mask": self.attention_mask(attn_implementation, device, dtype),
+            }
+            return inputs, self.keep_index_P.to(device)
+        width = self.tokens_R_L.shape[1]
+        lengths = torch.tensor(self.row_lengths, dtype=torch.long)
+        real = torch.arange(width)[None, :] < lengths[:, None]
+        offsets = torch.cumsum(lengths, 0) - lengths
+        rows, cols = self.keep_index_P // width, self.keep_index_P % width
+        inputs = {
+            "input_ids": self.tokens_R_L[real][None].to(device),
+            "position_ids": self.position_ids_R_L[real][None].to(device),
+        }
+        return inputs, (offsets[rows] + cols).to(device)
+
+    def attention_mask(
+        self,
+        attn_implementation: str | None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """The block-diagonal causal mask as the attention takes it: boolean (True = attend)
+        for SDPA; additive in `dtype` for any other (eager adds the mask to the scores, so a
+        boolean True would become +1 and mask nothing): 0 where a token may attend, the
+        dtype's lowest value elsewhere, as transformers builds its own eager masks."""
+        allowed = self.attention_mask_R_1_L_L.to(device)
+        if attn_implementation in BOOLEAN_MASK_ATTENTION:
+            return allowed
+        additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        return additive.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def pack_rows(samples: list[PreparedSample], row_tokens: int) -> list[list[PreparedSample]]:
+    """First-fit-decreasing packing into rows of `row_tokens` (or the longest sample's)."""
+    capacity = max(row_tokens, max(s.length for s in samples))
+    rows: list[list[PreparedSample]] = []
+    room: list[int] = []
+    for sample in sorted(samples, key=lambda s: (-s.length, s.index)):
+        for r, free in enumerate(room):
+            if sample.length <= free:
+                rows[r].append(sample)
+                room[r] -= sample.length
+                break
+        else:
+            rows.append([sample])
+            room.append(capacity - sample.length)
+    return rows
+
+
+def pack(
+    samples: list[PreparedSample], *, row_tokens: int = ROW_TOKENS, token_budget: int = TOKEN_BUDGET
+) -> list[MicroBatch]:
+    """`pack_rows`, rows grouped into micro-batches by token budget."""
+    rows = pack_rows(samples, row_tokens)
+    batches: list[list[list[PreparedSample]]] = [[]]
+    used = 0
+    for row in rows:
+        size = sum(s.length for s in row)
+        if batches[-1] and used + size > token_budget:
+            batches.append([])
+            used = 0
+        batches[-1].append(row)
+        used += size
+    return [_build(group) for group in batches]
+
+
+def _build(rows: list[list[PreparedSample]]) -> MicroBatch:
+    width = max(sum(s.length for s in row) for row in rows)
+    tokens = torch.zeros(len(rows), width, dtype=torch.long)
+    positions = torch.zeros(len(rows), width, dtype=torch.long)
+    segment = torch.full((len(rows), width), -1, dtype=torch.long)
+    placed: list[tuple[PreparedSample, int, int]] = []  # sample, row, offset
+    for r, row in enumerate(rows):
+        offset = 0
+        for sample in row:
+            n = sample.length
+            tokens[r, offset : offset + n] = sample.tokens_T
+            positions[r, offset : offset + n] = torch.arange(n)
+            segment[r, offset : offset + n] = sample.index
+            placed.append((sample, r, offset))
+            offset += n
+    placed.sort(key=lambda item: item[0].index)
+    keep, sample_index, targets = [], [], []
+    for local, (sample, r, offset) in enumerate(placed):
+        kept = torch.nonzero(sample.kept_T).squeeze(-1)
+        keep.append(r * width + offset + kept)
+        sample_index.append(torch.full((kept.shape[0],), local, dtype=torch.long))
+        targets.append(sample.targets_T[kept])
+    return MicroBatch(
+        samples=[item[0] for item in placed],
+        tokens_R_L=tokens,
+        position_ids_R_L=positions,
+        segment_R_L=segment,
+        keep_index_P=torch.cat(keep),
+        sample_index_P=torch.cat(sample_index),
+        targets_P=torch.cat(targets),
+        row_lengths=[sum(s.length for s in row) for row in rows],
+    )
+
+
+# -- varlen attention without FlashAttention ---------------------------------------------------
+
+PACKED_SDPA = "packed_sdpa"
+BOOLEAN_MASK_ATTENTION = ("sdpa", PACKED_SDPA)  # take a boolean mask; others an additive one
+
+
+def is_varlen(attn_implementation: str | None) -> bool:
+    """Whether this attention takes packed samples as one unpadded row split by position ids."""
+    return attn_implementation is not None and (
+        "flash" in attn_implementation or attn_implementation == PACKED_SDPA
+    )
+
+
+def _segments(position_ids_T: torch.Tensor) -> list[tuple[int, int]]:
+    starts = torch.nonzero(position_ids_T == 0).squeeze(-1).tolist()
+    if not starts or starts[0] != 0:
+        starts = [0, *starts]
+    ends = [*starts[1:], int(position_ids_T.shape[0])]
+    return list(zip(starts, ends))
+
+
+def packed_sdpa_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Exact varlen attention from plain SDPA: one causal `scaled_dot_product_attention` per
+    packed sample (split where `position_ids` restart), so work is Σ Tᵢ², not (Σ Tᵢ)², and no
+    mask is materialised. On CPU this is the exact fallback of FlashAttention's varlen path;
+    on CUDA SDPA picks its flash kernel for each causal, unmasked segment.
+
+    query `[B, Hq, T, D]`, key/value `[B, Hkv, T, D]` → output `[B, T, Hq, D]` (transformers'
+    attention-interface layout). With a mask, a KV cache (keys longer than queries) or no
+    position ids, it is plain SDPA, so generation is unchanged.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    position_ids = kwargs.get("position_ids")
+    plain = attention_mask is not None or query.shape[2] != key.shape[2]  # mask, or KV cache
+    if plain or not isinstance(position_ids, torch.Tensor):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    groups = int(getattr(module, "num_key_value_groups", 1))
+    dropout_p = dropout if module.training else 0.0
+    rows = []
+    for b in range(query.shape[0]):
+        parts = []
+        for start, end in _segments(position_ids[min(b, position_ids.shape[0] - 1)]):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query[b : b + 1, :, start:end],
+                key[b : b + 1, :, start:end],
+                value[b : b + 1, :, start:end],
+                dropout_p=dropout_p,
+                scale=scaling,
+                is_causal=True,
+                enable_gqa=groups > 1,
+            )
+            parts.append(out)
+        rows.append(torch.cat(parts, dim=2))
+    return torch.cat(rows, dim=0).transpose(1, 2).contiguous(), None
+
+
+def _packed_mask(**kwargs: Any) -> torch.Tensor | None:
+    """No mask for packed rows (the kernel splits them); SDPA's mask whenever there is a
+    padding mask to honour (batched generation)."""
+    if kwargs.get("attention_mask") is None:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(**kwargs)
+
+
+def use_packed_sdpa(model: torch.nn.Module) -> None:
+    """Switch a transformers model to `packed_sdpa` (registered once, process-wide)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register(PACKED_SDPA, packed_sdpa_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_SDPA, _packed_mask)
+    set_impl = getattr(model, "set_attn_implementation", None)
+    if callable(set_impl):
+        set_impl(PACKED_SDPA)
+    else:
+        model.config._attn_implementation = PACKED_SDPA  # type: ignore[union-attr]

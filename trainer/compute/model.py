@@ -1,0 +1,337 @@
+"""Loading a base model, choosing LoRA targets, and exporting weights without touching the base.
+
+A location is a local directory, a hub id (`org/name`), or `hf://org/name`. Hub access goes
+through transformers / huggingface_hub, so `HF_HUB_OFFLINE`, `HF_HOME` and the cache are
+respected. `trust_remote_code` is only ever passed through from the catalogue entry.
+
+Loading is not thread-safe in transformers: `from_pretrained` changes process-global state
+while it builds a model (`torch.set_default_dtype`, `PreTrainedModel.tie_weights`,
+`torch.linspace` and the `torch.nn.init` functions are swapped and restored), and its lazy
+module resolves classes on first use. Two loads at once could leave a tied head on the meta
+device, or the swapped functions in place for good. So the classes are imported here, once, and
+every load builds its model under `COMPUTE_LOCK`, which operations also hold: no thread computes
+while the globals are swapped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer  # eager: see the module docstring
+
+from trainer.compute.turns import TurnLock
+from trainer.contract.errors import invalid
+from trainer.contract.specs import LoraConfig, ModelEntry
+
+log = logging.getLogger(__name__)
+
+# One lock for all torch work that reads or changes process-global state: operations (they swap
+# their session's RNG state into the global torch RNG, and a worker drives one accelerator) and
+# model loading (see the module docstring). Re-entrant: an operation may load weights. Fair
+# (`trainer/compute/turns.py`): turns go in arrival order, and a long sample yields its turn between
+# decode steps so that other sessions' operations are not stuck behind it.
+COMPUTE_LOCK = TurnLock()
+
+# config.json keys that hold a model's context length, in order of preference
+_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype(entry_dtype: str, device: torch.device) -> torch.dtype:
+    """bf16 on CUDA, fp32 on CPU, unless the catalogue entry says otherwise."""
+    if entry_dtype != "auto":
+        return DTYPES[entry_dtype]
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def hub_id(location: str) -> str:
+    """`hf://org/name` → `org/name`; local paths and plain hub ids are returned as they are."""
+    return location.removeprefix("hf://")
+
+
+def local_dir(location: str, revision: str | None = None) -> Path:
+    """A directory holding the files at `location`, downloading (or reading the cache) if needed."""
+    path = Path(location).expanduser()
+    if path.is_dir():
+        return path
+    if location.startswith(("/", "./", "../", "~")):
+        raise FileNotFoundError(f"no such directory: {location}")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(hub_id(location), revision=revision))
+
+
+def load_base_model(
+    entry: ModelEntry, device: torch.device, load_on: torch.device | None = None
+) -> tuple[Any, Any]:
+    """Load the base model (and its tokenizer, when it has one) for a catalogue entry.
+
+    `device` computes (it picks the dtype and the attention); the weights are read onto
+    `load_on` (default: `device`; the CPU when they are sharded afterwards).
+    Safe to call from several threads at once (loads take turns with each other and with
+    operations; the download, if any, runs outside the lock)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    source = str(local_dir(entry.location, entry.revision))
+    dtype = resolve_dtype(entry.dtype, device)
+    attn = "sdpa"
+    if device.type == "cuda" and _has_flash_attn():
+        attn = "flash_attention_2"
+    with COMPUTE_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(
+            source,
+            dtype=dtype,
+            trust_remote_code=entry.trust_remote_code,
+            attn_implementation=attn,
+        )
+        model.to(load_on or device)  # type: ignore[arg-type]
+        if attn == "sdpa":
+            from trainer.compute.batch import use_packed_sdpa
+
+            use_packed_sdpa(model)  # exact varlen attention for packed samples, else plain sdpa
+        model.requires_grad_(False)
+        model.eval()
+        tokenizer = None
+        if any(Path(source, name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+            tokenizer = AutoTokenizer.from_pretrained(
+                source, trust_remote_code=entry.trust_remote_code
+            )
+    log.info("loaded %s from %s (%s, %s, attn=%s)", entry.name, source, dtype, device, attn)
+    return model, tokenizer
+
+
+def context_length(config: dict[str, Any]) -> int | None:
+    """The longest sequence a model takes, from its config.json (None when it does not say)."""
+    for section in (config, config.get("text_config")):
+        if not isinstance(section, dict):
+            continue
+        for key in _POSITION_KEYS:
+            value = section.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 2:
+                return value
+    return None
+
+
+def read_model_config(location: str, revision: str | None = None) -> dict[str, Any]:
+    """A model's config.json as a dict, without loading it (one small file from the hub)."""
+    path = Path(location).expanduser()
+    if path.is_dir():
+        file = path / "config.json"
+    elif location.startswith(("/", "./", "../", "~")):
+        raise FileNotFoundError(f"no such directory: {location}")
+    else:
+        from huggingface_hub import hf_hub_download
+
+        file = Path(hf_hub_download(hub_id(location), "config.json", revision=revision))
+    config: dict[str, Any] = json.loads(file.read_text())
+    return config
+
+
+def with_context_limit(entry: ModelEntry, model_config: dict[str, Any]) -> ModelEntry:
+    """The entry with `max_seq_length` set to the model's own context length, or to the
+    configured one when that is smaller (an unset `max_seq_length` means the model's own)."""
+    own = context_length(model_config)
+    if own is None:
+        return entry
+    configured = "max_seq_length" in entry.model_fields_set
+    limit = min(own, entry.max_seq_length) if configured else own
+    if limit == entry.max_seq_length and configured:
+        return entry
+    return entry.model_copy(update={"max_seq_length": limit})
+
+
+def resolve_context_limit(entry: ModelEntry) -> ModelEntry:
+    """`with_context_limit` reading the model's config.json; the entry as it is when the
+    config cannot be read now (it is applied again when the model loads)."""
+    try:
+        config = read_model_config(entry.location, entry.revision)
+    except Exception as exc:  # offline, missing, unreadable: the resource load reports it
+        log.warning("%s: cannot read its config.json yet (%s)", entry.name, exc)
+        return entry
+    return with_context_limit(entry, config)
+
+
+def _has_flash_attn() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def lora_target_modules(model: Any, train_unembed: bool) -> list[str]:
+    """Every linear layer of the decoder (leaf names), plus the output head with train_unembed.
+
+    Like peft's "all-linear" but explicit, so the head can be added as a real LoRA target
+    (not `modules_to_save`, which inference servers reject).
+    """
+    decoder = model.get_decoder()
+    names = sorted(
+        {name.rsplit(".", 1)[-1] for name, mod in decoder.named_modules() if _is_linear(mod)}
+    )
+    if train_unembed:
+        head_name = _head_attr(model)
+        names.append(head_name)
+    return names
+
+
+def lora_target_parameters(model: Any) -> list[str]:
+    """The fused expert weights of the decoder's MoE blocks, for peft's `target_parameters`
+    (`experts.gate_up_proj`, `experts.down_proj` in transformers 5's Qwen3-MoE): every 3-D
+    parameter, named `<module leaf>.<parameter>`. Empty for a dense model. The router (a 2-D
+    parameter of its own module) is not among them. Sorted, so that peft nests its wrappers,
+    and names the adapter's keys, the same way on every load."""
+    decoder = model.get_decoder()
+    names = set()
+    for module_name, module in decoder.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            if param.dim() == 3:  # peft's wrappers (`.base_layer`) are not part of the name
+                leaf = unwrapped(module_name).rsplit(".", 1)[-1]
+                names.add(f"{leaf}.{param_name}")
+    return sorted(names)
+
+
+def unwrapped(path: str) -> str:
+    """A module path or parameter name without peft's (possibly nested) `.base_layer` parts."""
+    return re.sub(r"\.base_layer(?=\.|$)", "", path)
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Linear"
+
+
+def _head_attr(model: Any) -> str:
+    head = model.get_output_embeddings()
+    for name, module in model.named_children():
+        if module is head:
+            return name
+    raise ValueError("the model's output head is not a direct child module")
+
+
+def peft_lora_config(model: Any, config: LoraConfig) -> Any:
+    from peft import LoraConfig as PeftLoraConfig
+
+    experts = lora_target_parameters(model)
+    if experts and config.dropout > 0:
+        # peft's ParamWrapper (LoRA on a parameter) cannot apply dropout to its input
+        raise invalid(
+            "lora_config.dropout",
+            "LoRA dropout is not supported on mixture-of-experts models "
+            "(the expert weights are adapted as parameters); use 0",
+        )
+    extra: dict[str, Any] = {"target_parameters": experts} if experts else {}
+    return PeftLoraConfig(
+        r=config.rank,
+        lora_alpha=config.alpha,
+        lora_dropout=config.dropout,
+        target_modules=lora_target_modules(model, config.train_unembed),
+        bias="none",
+        task_type="CAUSAL_LM",
+        **extra,
+    )
+
+
+def is_tied(model: Any) -> bool:
+    head = model.get_output_embeddings()
+    embed = model.get_input_embeddings()
+    head_weight = getattr(head, "weight", None)
+    if hasattr(head, "base_layer"):  # a peft LoRA wrapper around the head
+        head_weight = head.base_layer.weight
+    return head_weight is embed.weight
+
+
+@contextlib.contextmanager
+def quiet_peft_warnings() -> Iterator[None]:
+    """peft warns about LoRA on a tied head; we never merge in place, so the warning is moot."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+        warnings.filterwarnings("ignore", message=".*should not be contained in the prefix.*")
+        warnings.filterwarnings("ignore", message=".*was active which is now deleted.*")
+        yield
+
+
+# --------------------------------------------------------------------------------------------
+# Exports
+# --------------------------------------------------------------------------------------------
+
+
+def save_merged(
+    base: Any,
+    out_dir: Path,
+    deltas: dict[str, torch.Tensor],
+    tokenizer: Any = None,
+) -> None:
+    """Write a plain transformers model directory: base weights + LoRA deltas, never in place.
+
+    `base` is the transformers model (possibly wrapped by peft; `.base_layer` names are
+    unwrapped). `deltas` maps a module path (e.g. `model.layers.0.self_attn.q_proj`) to the
+    weight delta to add, or a parameter's name (`model.layers.0.mlp.experts.down_proj`, a 3-D
+    expert stack) to its delta. If the output head receives a delta while tied to the input
+    embeddings, the export is untied: the head gets its own weight and the config says so.
+    """
+    from safetensors.torch import save_file
+
+    head_name = _head_attr(base)
+    tied = is_tied(base)
+    state: dict[str, torch.Tensor] = {}
+    for key, tensor in base.state_dict().items():
+        if "lora_" in key:
+            continue
+        state[unwrapped(key)] = tensor  # nested wrappers too (peft's ParamWrapper on experts)
+    for path, delta in deltas.items():
+        key = path if path in state else f"{path}.weight"  # a parameter's own name, or a module's
+        state[key] = state[key] + delta.to(state[key].dtype)
+    untie = tied and head_name in deltas
+    if tied and not untie:
+        state.pop(f"{head_name}.weight", None)
+    config = base.config.to_dict()
+    if untie:
+        config["tie_word_embeddings"] = False
+        if isinstance(config.get("text_config"), dict):
+            config["text_config"]["tie_word_embeddings"] = False
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {key: tensor.detach().to("cpu").contiguous().clone() for key, tensor in state.items()}
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
+    generation = getattr(base, "generation_config", None)
+    if generation is not None:
+        generation.save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+
+
+def read_model_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a (possibly sharded) safetensors model directory."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir} holds no .safetensors weights")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update(load_file(str(file)))
+    return weights
+
+
+def is_adapter_dir(path: Path) -> bool:
+    return (path / "adapter_config.json").exists()
+
+
+def env_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")

@@ -1,0 +1,217 @@
+"""Muon with its auxiliary AdamW (Part B rule 10), for one rank or many.
+
+- `muon_split` states which trainable tensors Muon updates: the 2-D matrices inside the decoder
+  layers (attention and MLP projections, and a LoRA session's `lora_A`/`lora_B` there), and
+  an MoE block's fused 3-D expert stacks there, each expert's matrix on its own. Everything
+  else (embeddings, the LM head and its LoRA, norms, biases, any other tensor) goes to the
+  auxiliary AdamW.
+- Per expert: a 3-D stack (experts, out, in) is orthogonalised and scaled expert by expert;
+  so are the LoRA factors of such a stack (`expert_factors`: peft's ParamWrapper keeps
+  `lora_A` as (experts·r, in), expert e in rows e·r…, and `lora_B` as (out, r·experts),
+  expert e in columns e, e+experts, …), each expert's (r, in) and (out, r) factor alone.
+- `MuonWithAdamW` is one `torch.optim.Optimizer` over both sides, with one `state` keyed by
+  parameter: a Muon matrix holds `momentum_buffer`, an AdamW tensor its moments, so the
+  checkpoint code (`optim.state_tensors`) writes and reads both as it does for AdamW.
+- The update is `torch.optim.Muon(nesterov=True)`'s: its momentum and decay, its scale
+  (`_adjust_lr`), and its Newton–Schulz iteration, run in fp32 rather than bf16
+  (`newton_schulz`). Newton–Schulz needs the whole matrix: a DTensor shard's update (FSDP2
+  full weights) is gathered, orthogonalised on every rank alike, and each rank keeps its own
+  shard of the result; for a plain tensor these are identities.
+- `muon_step`: one global clip over both sides, then both updates, then zero gradients.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr
+
+from trainer.compute.optim import clip_global, new_adamw, set_adam_knobs
+from trainer.contract.muon_params import MuonParams
+from trainer.contract.optimizer import ADJUST_LR_FN
+
+if TYPE_CHECKING:
+    from trainer.compute.placement import Communicator
+
+_IN_DECODER_LAYER = re.compile(r"(^|\.)layers\.\d+\.")
+_HEAD_OR_EMBEDDING = re.compile(r"(^|\.)(lm_head|embed_tokens|embed_out|wte|wpe)(\.|$)")
+
+
+def muon_split(names_and_shapes: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """Rule 10's split of trainable tensors (name -> tensor or shape): (Muon's, AdamW's), each
+    in the given order. A 3-D tensor inside a decoder layer is a stack of expert matrices."""
+    muon: list[str] = []
+    adam: list[str] = []
+    for name, value in names_and_shapes.items():
+        shape = value.shape if hasattr(value, "shape") else tuple(value)
+        inside = _IN_DECODER_LAYER.search(name) and not _HEAD_OR_EMBEDDING.search(name)
+        (muon if inside and len(shape) in (2, 3) else adam).append(name)
+    return muon, adam
+
+
+# How Muon sees one tensor: None (one matrix), ("stack",) for (experts, out, in), or
+# ("lora_A", experts) / ("lora_B", experts) for ParamWrapper's LoRA factors.
+Layout = tuple[Any, ...] | None
+
+
+def layout_of(name: str, shape: Any, expert_factors: dict[str, int] | None = None) -> Layout:
+    experts = (expert_factors or {}).get(name)
+    if experts:
+        return ("lora_B" if ".lora_B." in name else "lora_A", experts)
+    return ("stack",) if len(tuple(shape)) == 3 else None
+
+
+def expert_view(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """`tensor` as (experts, m, n), a view sharing its storage (one matrix: experts = 1)."""
+    if layout is None:
+        return tensor.unsqueeze(0)
+    if layout[0] == "stack":
+        return tensor
+    experts = layout[1]
+    if layout[0] == "lora_A":  # (experts·r, in) -> (experts, r, in)
+        return tensor.view(experts, -1, tensor.shape[-1])
+    return tensor.view(tensor.shape[0], -1, experts).permute(2, 0, 1)  # (experts, out, r)
+
+
+def orthogonalise(update: torch.Tensor, layout: Layout, steps: int) -> torch.Tensor:
+    """Newton–Schulz of each expert's matrix of `update` (a full tensor), laid out as it."""
+    if layout is None:
+        return newton_schulz(update, steps)
+    out = torch.empty_like(update)
+    target, source = expert_view(out, layout), expert_view(update.contiguous(), layout)
+    for e in range(source.shape[0]):
+        target[e].copy_(newton_schulz(source[e], steps))
+    return out
+
+
+def newton_schulz(update: torch.Tensor, steps: int) -> torch.Tensor:
+    """`torch.optim._muon._zeropower_via_newtonschulz` line for line, in fp32 rather than bf16
+    (rule 10 allows both): bf16 misses rule 10's 3e-2 bound on LoRA's thin matrices, whose
+    small singular values the iteration amplifies (docs/decisions.md)."""
+    a, b, c = DEFAULT_A, DEFAULT_B, DEFAULT_C
+    x = update.float()
+    tall = update.size(0) > update.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=EPS)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return (x.T if tall else x).to(update.dtype)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """`full` laid out like `param`: this rank's shard of it (every rank holds `full` alike)."""
+    if isinstance(param, DTensor):
+        return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    return full
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """Muon on `muon` (2-D matrices), AdamW on `adam`; one state, one `step`."""
+
+    def __init__(
+        self,
+        muon: list[nn.Parameter],
+        adam: list[nn.Parameter],
+        scaling_strategy: str,
+        layouts: list[Layout] | None = None,
+    ) -> None:
+        groups: list[dict[str, Any]] = [
+            {
+                "params": muon,
+                "kind": "muon",
+                "lr": 1e-4,
+                "momentum": 0.95,
+                "weight_decay": 0.0,
+                "ns_steps": 5,
+                "adjust_lr_fn": ADJUST_LR_FN[scaling_strategy],
+            }
+        ]
+        super().__init__(groups, {})
+        self.layouts: dict[nn.Parameter, Layout] = {}
+        for param, layout in zip(muon, layouts or [None] * len(muon), strict=True):
+            if param.ndim != (3 if layout == ("stack",) else 2):
+                raise ValueError(f"Muon updates 2-D matrices, not a tensor of shape {param.shape}")
+            self.layouts[param] = layout
+        self.adamw = new_adamw(adam) if adam else None
+        if self.adamw is not None:
+            self.adamw.state = self.state  # one state for both sides (disjoint parameters)
+
+    def set_knobs(self, muon: MuonParams) -> None:
+        self.param_groups[0].update(
+            lr=muon.learning_rate,
+            momentum=muon.momentum,
+            weight_decay=muon.weight_decay,
+            ns_steps=muon.newton_schulz_steps,
+        )
+        if self.adamw is not None:
+            set_adam_knobs(self.adamw, muon.adam)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        group = self.param_groups[0]
+        lr, mu, decay = group["lr"], group["momentum"], group["weight_decay"]
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            grad = param.grad
+            state = self.state[param]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(grad)
+            buf = state["momentum_buffer"]
+            buf.lerp_(grad, 1 - mu)
+            layout = self.layouts.get(param)
+            update = orthogonalise(_full(grad.lerp(buf, mu)), layout, group["ns_steps"])
+            shape = expert_view(update, layout).shape[1:]  # one expert's matrix
+            param.mul_(1 - lr * decay)
+            param.add_(_like(param, update), alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape))
+        if self.adamw is not None:
+            self.adamw.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if self.adamw is not None:
+            self.adamw.zero_grad(set_to_none)
+
+
+def new_muon(
+    trainable: dict[str, nn.Parameter],
+    scaling_strategy: str,
+    expert_factors: dict[str, int] | None = None,
+) -> MuonWithAdamW:
+    """`expert_factors`: a LoRA policy's (canonical name -> experts) of its expert factors."""
+    muon, adam = muon_split(trainable)
+    layouts = [layout_of(n, trainable[n].shape, expert_factors) for n in muon]
+    return MuonWithAdamW(
+        [trainable[n] for n in muon], [trainable[n] for n in adam], scaling_strategy, layouts
+    )
+
+
+def muon_step(
+    optimizer: MuonWithAdamW,
+    params: list[nn.Parameter],
+    muon: MuonParams,
+    comm: Communicator,
+) -> dict[str, float]:
+    """One global clip over every tensor (`muon_params.grad_clip_norm`), then Muon and AdamW
+    with this call's knobs, then zero gradients. NON_FINITE_LOSS before any weight moves."""
+    norm = clip_global(params, muon.grad_clip_norm, comm)
+    clipped = min(norm, muon.grad_clip_norm) if muon.grad_clip_norm > 0 else norm
+    optimizer.set_knobs(muon)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {
+        "grad_norm": norm,
+        "grad_norm_clipped": clipped,
+        "learning_rate": muon.learning_rate,
+        "adam_learning_rate": muon.adam.learning_rate,
+    }

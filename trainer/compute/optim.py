@@ -1,0 +1,152 @@
+"""A session's optimizer: AdamW with per-call parameters, the global gradient norm and its
+clipping, and the finite checks, written once for one rank or many.
+
+Gradients are plain tensors (replicated: one process, or LoRA adapters under FSDP) or DTensor
+shards (full weights under FSDP). The global norm is
+`sqrt(Σ over ranks of the shards' squares + the replicated norm²)`: the shards' squares are
+summed in fp64 through the communicator (an identity in one process), and the replicated norm
+is `torch.nn.utils.get_total_norm`, so one process computes exactly what torch does.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from trainer.compute.policy import layout_like
+from trainer.contract.errors import OperationError
+from trainer.contract.specs import AdamParams
+
+if TYPE_CHECKING:
+    from trainer.compute.placement import Communicator
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of a DTensor; a plain tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def new_adamw(params: list[nn.Parameter]) -> torch.optim.AdamW:
+    """The session's AdamW; every knob is set again by each step (`adamw_step`)."""
+    return torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
+
+
+def grad_norm(grads: list[torch.Tensor], comm: Communicator) -> float:
+    """The global L2 norm of the gradients, wherever their parts live. Collective."""
+    replicated = [g for g in grads if not isinstance(g, DTensor)]
+    sharded = [local_part(g) for g in grads if isinstance(g, DTensor)]
+    squares = torch.zeros(1, dtype=torch.float64, device=comm.device)
+    for part in sharded:
+        squares += part.to(squares.device, torch.float64).pow(2).sum()
+    comm.sum_(squares)
+    if replicated:
+        norm = torch.nn.utils.get_total_norm(replicated).to(squares.device, torch.float64)
+        squares += norm.pow(2)
+    return float(squares.sqrt())
+
+
+def check_finite_grads(params: list[nn.Parameter], comm: Communicator) -> None:
+    """NON_FINITE_LOSS unless every rank's gradients are finite. Collective."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not torch.isfinite(torch.tensor(grad_norm(grads, comm))):
+        raise OperationError("NON_FINITE_LOSS", "the gradient is not finite")
+
+
+def clip_grads_(params: list[nn.Parameter], max_norm: float, norm: float) -> None:
+    """`torch.nn.utils.clip_grads_with_norm_` on each rank's part of the gradients."""
+    coef = torch.clamp(max_norm / (torch.tensor(norm) + 1e-6), max=1.0)
+    with torch.no_grad():
+        for param in params:
+            if param.grad is not None:
+                grad = local_part(param.grad)
+                grad.mul_(coef.to(grad.device))
+
+
+def sum_replicated_grads(params: list[nn.Parameter], comm: Communicator) -> None:
+    """Sum the replicated parameters' gradients over ranks, in one buffer (FSDP reduces the
+    shards' own). Nothing to do in one process. Collective."""
+    replicated = [p for p in params if not isinstance(p, DTensor)]
+    if comm.world_size == 1 or not replicated:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in replicated]
+    flat = comm.sum_(torch.cat([g.reshape(-1) for g in grads]))
+    offset = 0
+    for param in replicated:
+        n = param.numel()
+        param.grad = flat[offset : offset + n].view_as(param).clone()
+        offset += n
+
+
+def clip_global(params: list[nn.Parameter], max_norm: float, comm: Communicator) -> float:
+    """The global norm over every tensor's gradient, then the clip to `max_norm` (0: none).
+    NON_FINITE_LOSS, before any weight moves, when the norm is not finite. Collective."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = grad_norm(grads, comm)
+    if not torch.isfinite(torch.tensor(norm)):
+        raise OperationError("NON_FINITE_LOSS", f"the gradient norm is {norm}")
+    if max_norm > 0 and grads:
+        clip_grads_(params, max_norm, norm)
+    return norm
+
+
+def set_adam_knobs(optimizer: torch.optim.Optimizer, adam: AdamParams) -> None:
+    for group in optimizer.param_groups:
+        group.update(
+            lr=adam.learning_rate,
+            betas=(adam.beta1, adam.beta2),
+            eps=adam.eps,
+            weight_decay=adam.weight_decay,
+        )
+
+
+def adamw_step(
+    optimizer: torch.optim.Optimizer,
+    params: list[nn.Parameter],
+    adam: AdamParams,
+    comm: Communicator,
+) -> dict[str, float]:
+    """Global-norm clipping, then AdamW (decoupled decay) with this call's knobs, then zero
+    gradients. NON_FINITE_LOSS, before any weight moves, when the norm is not finite."""
+    norm = clip_global(params, adam.grad_clip_norm, comm)
+    clipped = min(norm, adam.grad_clip_norm) if adam.grad_clip_norm > 0 else norm
+    set_adam_knobs(optimizer, adam)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"grad_norm": norm, "grad_norm_clipped": clipped, "learning_rate": adam.learning_rate}
+
+
+def state_tensors(
+    optimizer: torch.optim.Optimizer, trainable: dict[str, nn.Parameter], copy: bool = True
+) -> dict[str, torch.Tensor]:
+    """The optimizer state under `name::slot` keys: CPU copies, or (`copy=False`) the live
+    tensors (DTensors stay DTensors), to be read under the resource lock."""
+    out = {}
+    for name, param in trainable.items():
+        for slot, value in optimizer.state.get(param, {}).items():
+            value = value.detach()
+            out[f"{name}::{slot}"] = value.to("cpu", copy=True) if copy else value
+    return out
+
+
+def load_state_tensors(
+    optimizer: torch.optim.Optimizer,
+    trainable: dict[str, nn.Parameter],
+    tensors: dict[str, torch.Tensor],
+) -> None:
+    """Install `name::slot` tensors (full, or already laid out like their parameter)."""
+    by_param: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    for key, value in tensors.items():
+        name, _, slot = key.rpartition("::")
+        if name not in trainable:
+            raise ValueError(f"optimizer state names an unknown tensor {name}")
+        by_param[name][slot] = value
+    for name, state in by_param.items():
+        param = trainable[name]
+        optimizer.state[param] = {
+            slot: (v if slot == "step" else layout_like(param, v, cast=False))
+            for slot, v in state.items()
+        }

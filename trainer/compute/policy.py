@@ -1,0 +1,337 @@
+"""What a session trains: a LoRA adapter on a shared base, or the full weights.
+
+A policy owns the trainable tensors of one session under canonical names (peft's adapter-free
+state-dict keys for LoRA, the model's parameter names for full weights), the *published* copy
+the generator samples from, and the exports. The two kinds share one interface, so the session
+code never asks which one it has.
+
+Isolation of LoRA sessions: each session is its own named peft adapter (`s<n>`), with a second
+adapter (`s<n>p`) holding its published weights. Only the active adapter takes part in a
+forward pass, the optimizer of a session holds only its adapter's tensors, and every compute
+call activates its adapter under the resource lock.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import copy
+import json
+from collections.abc import Iterator
+from typing import Any, cast
+
+import torch
+import torch.distributed
+from torch import nn
+
+from trainer.compute.model import (
+    is_tied,
+    peft_lora_config,
+    quiet_peft_warnings,
+    unwrapped,
+)
+from trainer.contract.specs import LoraConfig
+
+
+class Policy(abc.ABC):
+    """Interface shared by the LoRA and the full-weight policies."""
+
+    kind: str
+    trainable: dict[str, nn.Parameter]
+
+    @property
+    @abc.abstractmethod
+    def model(self) -> Any:
+        """The transformers model whose forward uses the active weights."""
+
+    @contextlib.contextmanager
+    def training(self, train: bool) -> Iterator[None]:
+        """Make this session's trainable weights the active ones (train or eval mode)."""
+        module = self._activate_trainable()
+        module.train(train)
+        try:
+            yield
+        finally:
+            module.eval()
+
+    @abc.abstractmethod
+    def _activate_trainable(self) -> nn.Module:
+        """Make the trainable weights the active ones; the module whose mode `training` sets."""
+
+    @abc.abstractmethod
+    def published(self) -> contextlib.AbstractContextManager[nn.Module]:
+        """Make the published weights the active ones; yields the model to sample from."""
+
+    @abc.abstractmethod
+    def published_tensors(self) -> dict[str, torch.Tensor]:
+        """The generator's weights under the canonical names (empty without a generator)."""
+
+    def publish(self, snapshot: dict[str, torch.Tensor] | None = None) -> None:
+        """Copy the trainable weights (or an earlier snapshot of them) to the generator."""
+        source = snapshot if snapshot is not None else self.trainable
+        with torch.no_grad():
+            for name, tensor in self.published_tensors().items():
+                tensor.copy_(source[name])
+
+    def swap_published(self, snapshot: dict[str, torch.Tensor]) -> None:
+        """Exchange the generator's weights with `snapshot`, in place and bit for bit: the
+        generator serves the snapshot and the snapshot holds what the generator served, so a
+        second swap undoes the first. No second copy of the weights is made."""
+        with torch.no_grad():
+            for name, tensor in self.published_tensors().items():
+                held = tensor.clone()
+                tensor.copy_(snapshot[name])
+                snapshot[name].copy_(held)
+
+    @abc.abstractmethod
+    @abc.abstractmethod
+    def export_parts(self) -> tuple[Any, dict[str, torch.Tensor], Any]:
+        """What an inference export needs: the model whose weights are merged, the LoRA deltas
+        to merge into them (none for full weights), and the PEFT adapter as
+        `(tensors, adapter_config)` for LoRA, else None. `training_state.write_inference`
+        lays them out."""
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().clone() for name, p in self.trainable.items()}
+
+    def load_weights(self, weights: dict[str, torch.Tensor], where: str) -> None:
+        """Copy tensors by canonical name into the trainable weights (all names must match)."""
+        missing = sorted(set(self.trainable) - set(weights))
+        unexpected = sorted(set(weights) - set(self.trainable))
+        if missing or unexpected:
+            raise ValueError(
+                f"{where}: weights do not match this model "
+                f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+            )
+        with torch.no_grad():
+            for name, param in self.trainable.items():
+                if weights[name].shape != param.shape:
+                    raise ValueError(
+                        f"{where}: {name} has shape {tuple(weights[name].shape)}, "
+                        f"expected {tuple(param.shape)}"
+                    )
+            for name, param in self.trainable.items():
+                param.copy_(layout_like(param, weights[name]))
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release what this policy holds on the resource."""
+
+
+class LoraPolicy(Policy):
+    kind = "lora"
+
+    def __init__(
+        self,
+        resource_model: Any,
+        peft_holder: dict[str, Any],
+        name: str,
+        config: LoraConfig,
+        seed: int,
+        with_generator: bool,
+    ) -> None:
+        self.name = name
+        self.pub_name = f"{name}p"
+        self.config = config
+        self.seed = seed
+        peft_config = peft_lora_config(resource_model, config)
+        # Once a first adapter is in, the linear leaves include peft's own (`base_layer`, the
+        # adapters' names): they are not targets, and must not reach adapter_config.json.
+        inner = {"base_layer"} | {
+            key
+            for module in resource_model.modules()
+            if hasattr(module, "lora_A")
+            for key in module.lora_A
+        }
+        peft_config.target_modules = set(peft_config.target_modules) - inner
+        with quiet_peft_warnings(), torch.random.fork_rng(devices=cuda_devices()):
+            torch.manual_seed(seed)
+            if peft_holder.get("model") is None:
+                from peft import get_peft_model
+
+                peft_holder["model"] = get_peft_model(
+                    resource_model, peft_config, adapter_name=name
+                )
+            else:
+                peft_holder["model"].add_adapter(name, peft_config)
+            self.peft = peft_holder["model"]
+            if with_generator:
+                self.peft.add_adapter(self.pub_name, peft_config)
+        self.with_generator = with_generator
+        suffix = f".{name}."
+        self.trainable = {
+            n.replace(suffix, "."): p for n, p in self.peft.named_parameters() if suffix in n
+        }
+        self._pub = {
+            n.replace(f".{self.pub_name}.", "."): p
+            for n, p in self.peft.named_parameters()
+            if f".{self.pub_name}." in n
+        }
+        self.expert_factors = self._expert_factors()
+        # LoRA on parameters (peft's ParamWrapper: an MoE block's fused experts) is beyond
+        # `trainer.compute.multilora.segmented` (merged passes, batched samples): such sessions run
+        # alone
+        self.segmentable = not any(
+            hasattr(m, "parameter_name") and name in m.lora_A for m in self.peft.modules()
+        )
+        self.trainable_requires_grad()
+        self.publish()
+
+    @property
+    def model(self) -> Any:
+        return self.peft.base_model.model
+
+    def trainable_requires_grad(self) -> None:
+        for param in self.trainable.values():
+            param.requires_grad_(True)
+
+    def _activate(self, adapter: str) -> None:
+        with quiet_peft_warnings():
+            self.peft.base_model.set_adapter(adapter)
+        for module in self.peft.modules():  # set_adapter may leave other adapters trainable
+            if hasattr(module, "lora_A"):
+                for key in module.lora_A:
+                    trainable = key == adapter
+                    module.lora_A[key].requires_grad_(trainable)
+                    module.lora_B[key].requires_grad_(trainable)
+
+    def _activate_trainable(self) -> nn.Module:
+        self._activate(self.name)
+        return cast(nn.Module, self.peft)
+
+    @contextlib.contextmanager
+    def published(self) -> Iterator[nn.Module]:
+        if not self.with_generator:
+            raise RuntimeError("this resource has no generator")
+        self._activate(self.pub_name)
+        self.peft.eval()
+        yield self.model
+
+    def published_tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self._pub) if self.with_generator else {}
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """peft's adapter-free keys (`...q_proj.lora_A.weight`), on CPU."""
+        return {name: p.detach().to("cpu").clone() for name, p in self.trainable.items()}
+
+    def peft_config_dict(self) -> dict[str, Any]:
+        config = self.peft.peft_config[self.name].to_dict()
+        config["target_modules"] = sorted(config["target_modules"])
+        config["base_model_name_or_path"] = None
+        config.pop("runtime_config", None)
+        return json.loads(json.dumps(config, default=_jsonable))
+
+    def lora_deltas(self) -> dict[str, torch.Tensor]:
+        """Module path -> weight delta; for LoRA on a parameter (an MoE block's fused 3-D
+        experts), the parameter's own name (`model.layers.0.mlp.experts.down_proj`)."""
+        deltas = {}
+        for path, module in self.model.named_modules():
+            if hasattr(module, "lora_A") and self.name in module.lora_A:
+                parameter = getattr(module, "parameter_name", None)
+                if parameter is not None:
+                    path = f"{unwrapped(path)}.{parameter}"
+                deltas[path] = module.get_delta_weight(self.name).detach()
+        return deltas
+
+    def _expert_factors(self) -> dict[str, int]:
+        """Canonical name -> number of experts, for the LoRA factors of fused expert stacks
+        (peft's ParamWrapper: `lora_A` is (experts·r, in), `lora_B` is (out, r·experts))."""
+        suffix = f".{self.name}."
+        out: dict[str, int] = {}
+        for path, module in self.peft.named_modules():
+            experts = getattr(module, "num_experts", None)
+            if getattr(module, "parameter_name", None) is None or experts is None:
+                continue
+            if experts > 1 and self.name in module.lora_A:
+                for kind in ("lora_A", "lora_B"):
+                    for name, _ in getattr(module, kind)[self.name].named_parameters():
+                        out[f"{path}.{kind}{suffix}{name}".replace(suffix, ".")] = experts
+        return out
+
+    def export_parts(self) -> tuple[Any, dict[str, torch.Tensor], Any]:
+        adapter = (self.adapter_state(), self.peft_config_dict())
+        return self.model, self.lora_deltas(), adapter
+
+    def close(self) -> None:
+        with quiet_peft_warnings():
+            for adapter in (self.name, self.pub_name):
+                if adapter in self.peft.peft_config:
+                    if len(self.peft.peft_config) == 1:
+                        # peft refuses to delete the last adapter: zero it and keep it idle
+                        self._zero(adapter)
+                        continue
+                    self.peft.base_model.delete_adapter(adapter)
+
+    def _zero(self, adapter: str) -> None:
+        with torch.no_grad():
+            for n, p in self.peft.named_parameters():
+                if f".{adapter}." in n:
+                    p.zero_()
+                    p.requires_grad_(False)
+
+
+class FullPolicy(Policy):
+    kind = "full"
+
+    def __init__(self, resource_model: Any, with_generator: bool) -> None:
+        self._model = resource_model
+        self._model.requires_grad_(True)
+        self.trainable = dict(self._model.named_parameters())
+        self.generator = (
+            copy.deepcopy(self._model).requires_grad_(False) if with_generator else None
+        )
+        self.tied = is_tied(self._model)
+
+    @property
+    def model(self) -> Any:
+        return self._model
+
+    def _activate_trainable(self) -> nn.Module:
+        return cast(nn.Module, self._model)
+
+    @contextlib.contextmanager
+    def published(self) -> Iterator[nn.Module]:
+        if self.generator is None:
+            raise RuntimeError("this resource has no generator")
+        self.generator.eval()
+        yield self.generator
+
+    def published_tensors(self) -> dict[str, torch.Tensor]:
+        return {} if self.generator is None else dict(self.generator.named_parameters())
+
+    def export_parts(self) -> tuple[Any, dict[str, torch.Tensor], Any]:
+        return self._model, {}, None
+
+    def close(self) -> None:
+        self._model.requires_grad_(False)
+        for param in self._model.parameters():
+            param.grad = None
+        self.generator = None
+
+
+def cuda_devices() -> list[int]:
+    """The CUDA devices whose RNG a session owns: all visible ones in one process, only its
+    own under torch.distributed (one device per rank)."""
+    if not torch.cuda.is_available():
+        return []
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return [torch.cuda.current_device()]
+    return list(range(torch.cuda.device_count()))
+
+
+def layout_like(param: torch.Tensor, value: torch.Tensor, cast: bool = True) -> torch.Tensor:
+    """`value` (a full tensor) on `param`'s device (and dtype with `cast`), and sharded like
+    `param` when that is an FSDP2 DTensor (each rank keeps its own slice: no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    dtype = param.dtype if cast else value.dtype
+    if isinstance(param, DTensor) and not isinstance(value, DTensor):
+        local = value.to(param.to_local().device, dtype)
+        return distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
+    return value.to(param.device, dtype) if cast else value.to(param.device)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, set):
+        return sorted(value)
+    return str(value)

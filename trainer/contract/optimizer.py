@@ -1,0 +1,77 @@
+"""A resource's `optimizer_config` (Part B rules 7 and 10): one optimizer per resource, AdamW
+or Muon with its scaling strategy. No imports from `trainer`, so `trainer.contract.specs` can use
+it."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+MuonScalingStrategy = Literal[
+    "MUON_SCALING_STRATEGY_UNSPECIFIED",
+    "MUON_SCALING_STRATEGY_MATCH_ADAM",
+    "MUON_SCALING_STRATEGY_ORIGINAL",
+]
+STRATEGIES: tuple[str, ...] = MuonScalingStrategy.__args__  # type: ignore[attr-defined]
+
+# rule 10: MATCH_ADAM (also for UNSPECIFIED) is Moonlight's `0.2·√max(out, in)`
+ADJUST_LR_FN = {
+    "MUON_SCALING_STRATEGY_UNSPECIFIED": "match_rms_adamw",
+    "MUON_SCALING_STRATEGY_MATCH_ADAM": "match_rms_adamw",
+    "MUON_SCALING_STRATEGY_ORIGINAL": "original",
+}
+MAX_NEWTON_SCHULZ_STEPS = 99  # torch.optim.Muon refuses 100 or more
+
+
+def check_optimizer_config(value: Any) -> dict[str, Any]:
+    """A resource's `optimizer_config`, normalised: `{"adam": {}}` (also for `{}`, `None` or
+    `{"adam": null}`) or `{"muon": {"scaling_strategy": <one of STRATEGIES>}}` (UNSPECIFIED
+    when omitted). A ValueError names the offending field."""
+    if value is None or value == {}:
+        return {"adam": {}}
+    if not isinstance(value, dict):
+        raise ValueError("optimizer_config must be an object: {'adam': {}} or {'muon': {...}}")
+    chosen = [k for k, v in value.items() if v is not None]
+    unknown = sorted(set(value) - {"adam", "muon"})
+    if unknown:
+        names = ", ".join(f"optimizer_config.{k}" for k in unknown)
+        raise ValueError(f"unknown field(s) {names}: the optimizers are adam and muon")
+    if len(chosen) > 1:
+        raise ValueError("optimizer_config: set one of adam and muon, not both")
+    if chosen == ["muon"]:
+        return {"muon": _muon_config(value["muon"])}
+    adam = value.get("adam")
+    if adam is None:
+        return {"adam": {}}
+    if not isinstance(adam, dict):
+        raise ValueError("optimizer_config.adam must be an object ({})")
+    if adam:
+        names = ", ".join(f"optimizer_config.adam.{k}" for k in sorted(adam))
+        raise ValueError(
+            f"unknown field(s) {names}: the resource's AdamConfig has no fields; per-step "
+            "AdamW settings (learning_rate, beta1, beta2, eps, weight_decay, grad_clip_norm) "
+            "go in each optim-step's adam_params"
+        )
+    return {"adam": {}}
+
+
+def _muon_config(muon: Any) -> dict[str, Any]:
+    if not isinstance(muon, dict):
+        raise ValueError("optimizer_config.muon must be an object")
+    unknown = sorted(set(muon) - {"scaling_strategy"})
+    if unknown:
+        names = ", ".join(f"optimizer_config.muon.{k}" for k in unknown)
+        raise ValueError(
+            f"unknown field(s) {names}: MuonConfig has only scaling_strategy; per-step Muon "
+            "settings go in each optim-step's muon_params"
+        )
+    strategy = muon.get("scaling_strategy") or "MUON_SCALING_STRATEGY_UNSPECIFIED"
+    if strategy not in STRATEGIES:
+        raise ValueError(
+            f"optimizer_config.muon.scaling_strategy must be one of {', '.join(STRATEGIES)}"
+        )
+    return {"scaling_strategy": strategy}
+
+
+def optimizer_kind(config: dict[str, Any] | None) -> Literal["adam", "muon"]:
+    """Which optimizer a (stored, normalised) `optimizer_config` names."""
+    return "muon" if config and config.get("muon") is not None else "adam"

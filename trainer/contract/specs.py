@@ -1,0 +1,496 @@
+"""Typed specs for everything that crosses the edge of the worker.
+
+Every object a client or a config file can send is validated here, once, with a message that
+names the field. Names and enum spellings follow the hosted service's wire contract (the
+`together` SDK is the authority on shapes; `shared/docs/api-contract.md` Part B on semantics).
+
+Shape letters used across the package: B = samples in a call, T = tokens of one sample,
+N = tokens of a whole (micro-)batch flattened, V = vocabulary, H = hidden size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import numpy as np
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    field_validator,
+    model_validator,
+)
+
+from trainer.contract.arrays import (
+    ArrayOrList,
+    IntArray,
+    NumArray,
+    as_int64,
+    check_finite,
+    tensor_values,
+)
+from trainer.contract.optimizer import check_optimizer_config
+from trainer.contract.values import (
+    MAX_LORA_ALPHA,
+    MIN_TEMPERATURE,
+    PATH_MAX,
+    IntLike,
+    Seed,
+    check_location,
+    check_temperature,
+)
+from trainer.contract.values import int_from_str as _int_from_str
+
+
+class Spec(BaseModel):
+    """Base for wire objects: unknown fields are ignored (the SDK may send newer ones)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=False, populate_by_name=True)
+
+
+class StrictSpec(BaseModel):
+    """Base for config files: an unknown key is a typo and is refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+# --------------------------------------------------------------------------------------------
+# Tensors and samples
+# --------------------------------------------------------------------------------------------
+
+
+class TensorData(Spec):
+    """A 1-D tensor as flat JSON numbers. Token ids may be strings (protobuf int64)."""
+
+    # a list, or the int64/float64 array a large body was packed into (`trainer.contract.arrays`)
+    data: Annotated[
+        list[float | int | str] | NumArray, ArrayOrList(list[float | int | str], "numbers")
+    ]
+    dtype: Literal["int64", "float32"]
+    shape: list[int] | None = None
+    sparse_crow_indices: list[int] | None = None
+    sparse_col_indices: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> TensorData:
+        if self.sparse_crow_indices is not None or self.sparse_col_indices is not None:
+            raise ValueError("sparse tensors are not supported: omit sparse_crow/col_indices")
+        if self.shape is not None and self.shape != [len(self.data)]:
+            raise ValueError(
+                f"shape must be [len(data)] = [{len(self.data)}] (1-D only), got {self.shape}"
+            )
+        if isinstance(self.data, np.ndarray):
+            self.data = tensor_values(self.data, self.dtype)
+            return self
+        converted: list[float | int | str] = []
+        for i, value in enumerate(self.data):
+            if self.dtype == "int64":
+                if isinstance(value, float):
+                    if not value.is_integer():
+                        raise ValueError(f"data[{i}] = {value} is not an integer (dtype int64)")
+                    value = int(value)
+                converted.append(_int_from_str(value))
+            else:
+                number = float(value)
+                if not math.isfinite(number):
+                    raise ValueError(f"data[{i}] is not finite")
+                converted.append(number)
+        self.data = converted
+        return self
+
+
+class EncodedTextChunk(Spec):
+    tokens: Annotated[list[IntLike] | IntArray, ArrayOrList(list[IntLike], "ints")]
+
+
+class ModelInputChunk(Spec):
+    encoded_text: EncodedTextChunk | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelInputChunk:
+        if self.encoded_text is None:
+            raise ValueError("only encoded_text chunks are supported")
+        return self
+
+
+class ModelInput(Spec):
+    chunks: list[ModelInputChunk]
+
+    @property
+    def tokens(self) -> list[int]:
+        out: list[int] = []
+        for chunk in self.chunks:
+            assert chunk.encoded_text is not None
+            tokens = chunk.encoded_text.tokens
+            out.extend(tokens.tolist() if isinstance(tokens, np.ndarray) else tokens)
+        return out
+
+    def token_array(self) -> IntArray:
+        """The tokens as one int64 array, without a Python int per token for packed chunks
+        (OverflowError for a listed int past int64)."""
+        parts = [as_int64(chunk.encoded_text.tokens) for chunk in self.chunks if chunk.encoded_text]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+class Sample(Spec):
+    model_input: ModelInput
+    loss_fn_inputs: dict[str, TensorData] = Field(default_factory=dict)
+    routed_experts_key: str | None = None
+
+
+class Gradient(Spec):
+    data: Annotated[list[float] | NumArray, ArrayOrList(list[float], "floats")]
+    dtype: Literal["D_TYPE_UNSPECIFIED", "D_TYPE_FLOAT32", "D_TYPE_BFLOAT16"] = "D_TYPE_FLOAT32"
+
+    @field_validator("data")
+    @classmethod
+    def _finite(cls, value: list[float] | NumArray) -> list[float] | NumArray:
+        if isinstance(value, np.ndarray):
+            check_finite(value)
+            return value
+        for i, number in enumerate(value):
+            if not math.isfinite(number):
+                raise ValueError(f"data[{i}] is not finite")
+        return value
+
+
+# --------------------------------------------------------------------------------------------
+# Losses (contract Part B)
+# --------------------------------------------------------------------------------------------
+
+LossType = Literal[
+    "LOSS_TYPE_UNSPECIFIED",
+    "LOSS_TYPE_CROSS_ENTROPY",
+    "LOSS_TYPE_GRPO",
+    "LOSS_TYPE_IMPORTANCE_SAMPLING",
+    "LOSS_TYPE_PPO",
+    "LOSS_TYPE_CISPO",
+    "LOSS_TYPE_DRO",
+    "LOSS_TYPE_DPPO",
+]
+GrpoAggType = Literal[
+    "GRPO_LOSS_AGGREGATION_TYPE_UNSPECIFIED",
+    "GRPO_LOSS_AGGREGATION_TYPE_FIXED_HORIZON",
+    "GRPO_LOSS_AGGREGATION_TYPE_TOKEN_MEAN",
+    "GRPO_LOSS_AGGREGATION_TYPE_SEQUENCE_MEAN",
+]
+GrpoRatioType = Literal["GRPO_LOSS_RATIO_TYPE_TOKEN", "GRPO_LOSS_RATIO_TYPE_SEQUENCE"]
+
+
+class _ClipParams(Spec):
+    clip_low_threshold: float
+    clip_high_threshold: float
+
+    @model_validator(mode="after")
+    def _bounds(self) -> _ClipParams:
+        if not 0.0 <= self.clip_low_threshold <= 1.0:
+            raise ValueError("clip_low_threshold must be in [0, 1]")
+        if not 1.0 <= self.clip_high_threshold < math.inf:
+            raise ValueError("clip_high_threshold must be >= 1 and finite")
+        return self
+
+
+class CrossEntropyParams(Spec):
+    """No knobs. L = sum_t -w_t * lp_t."""
+
+
+class ImportanceSamplingParams(Spec):
+    """No knobs. L = sum_t -m_t * r_t * A_t."""
+
+
+class PpoParams(_ClipParams):
+    clip_low_threshold: float = 0.8
+    clip_high_threshold: float = 1.2
+
+
+class CispoParams(_ClipParams):
+    clip_low_threshold: float = 0.0
+    clip_high_threshold: float = 5.0
+
+
+class GrpoParams(_ClipParams):
+    clip_low_threshold: float = 0.8
+    clip_high_threshold: float = 1.28
+    beta: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    agg_type: GrpoAggType = "GRPO_LOSS_AGGREGATION_TYPE_TOKEN_MEAN"
+    ratio_type: GrpoRatioType = "GRPO_LOSS_RATIO_TYPE_TOKEN"
+
+
+class DppoParams(Spec):
+    delta_low: float = Field(default=0.15, ge=0.0, le=1.0)
+    delta_high: float = Field(default=0.15, ge=0.0, le=1.0)
+
+
+class DroParams(Spec):
+    beta: float = Field(ge=0.0, allow_inf_nan=False)
+
+
+LossParams = (
+    CrossEntropyParams
+    | ImportanceSamplingParams
+    | PpoParams
+    | CispoParams
+    | DroParams
+    | DppoParams
+    | GrpoParams
+)
+"""The typed union a `LossConfig`'s `<x>_params` is parsed into, once, at the edge."""
+
+
+@dataclass(frozen=True)
+class InputRule:
+    """A `loss_fn_inputs` entry a loss needs only with some parameter values."""
+
+    input: str  # the loss_fn_inputs key
+    reason: str  # completes "... is required <reason>"
+    applies: Callable[[Any], bool]  # of the loss's parsed params
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """What one loss needs, stated once: its params on the wire and the inputs it reads.
+
+    Every check (the API's 400, the engine's INVALID_INPUT, `losses.compute_loss`) reads this.
+    """
+
+    params_key: str  # `<x>_params` on the wire
+    params_cls: type[Spec]
+    required: tuple[str, ...]  # loss_fn_inputs every sample must carry
+    weights_are_mask: bool = True  # False: fractional `weights` scale the tokens (CE)
+    rules: tuple[InputRule, ...] = ()
+
+    def rules_for(self, params: Any) -> tuple[InputRule, ...]:
+        """The conditional inputs that these params make required."""
+        return tuple(rule for rule in self.rules if rule.applies(params))
+
+    def required_for(self, params: Any) -> tuple[str, ...]:
+        """Every input these params make required: `required`, then the rules that apply."""
+        return self.required + tuple(rule.input for rule in self.rules_for(params))
+
+
+_POLICY_INPUTS = ("logprobs", "advantages")
+LOSS_SPECS: dict[str, LossSpec] = {
+    "LOSS_TYPE_CROSS_ENTROPY": LossSpec(
+        "cross_entropy_params", CrossEntropyParams, ("weights",), weights_are_mask=False
+    ),
+    "LOSS_TYPE_IMPORTANCE_SAMPLING": LossSpec(
+        "importance_sampling_params", ImportanceSamplingParams, _POLICY_INPUTS
+    ),
+    "LOSS_TYPE_PPO": LossSpec("ppo_params", PpoParams, _POLICY_INPUTS),
+    "LOSS_TYPE_CISPO": LossSpec("cispo_params", CispoParams, _POLICY_INPUTS),
+    "LOSS_TYPE_DRO": LossSpec("dro_params", DroParams, _POLICY_INPUTS),
+    "LOSS_TYPE_DPPO": LossSpec("dppo_params", DppoParams, _POLICY_INPUTS),
+    "LOSS_TYPE_GRPO": LossSpec(
+        "grpo_params",
+        GrpoParams,
+        _POLICY_INPUTS,
+        rules=(InputRule("reference_logprobs", "when grpo_params.beta > 0", lambda p: p.beta > 0),),
+    ),
+}
+_SHORT_LOSS_NAMES = {key.removeprefix("LOSS_TYPE_").lower(): key for key in LOSS_SPECS}
+
+
+class LossConfig(Spec):
+    """`{"type": ..., "<x>_params": {...}}`. Only the params object matching `type` is read:
+    validation parses it once into `params()` (one of `LossParams`)."""
+
+    type: LossType
+    cross_entropy_params: dict[str, Any] | None = None
+    grpo_params: dict[str, Any] | None = None
+    ppo_params: dict[str, Any] | None = None
+    cispo_params: dict[str, Any] | None = None
+    dppo_params: dict[str, Any] | None = None
+    dro_params: dict[str, Any] | None = None
+    _params: Any = PrivateAttr(default=None)
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _short_names(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.lower() in _SHORT_LOSS_NAMES:
+            return _SHORT_LOSS_NAMES[value.lower()]
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> LossConfig:
+        if self.type not in LOSS_SPECS:  # LOSS_TYPE_UNSPECIFIED
+            raise ValueError("loss.type must name a loss (LOSS_TYPE_UNSPECIFIED is not one)")
+        self._params = self._parse()  # now, so the error names the field
+        return self
+
+    def _parse(self) -> Any:
+        spec = self.spec
+        raw = getattr(self, spec.params_key, None) or {}
+        for name, info in spec.params_cls.model_fields.items():
+            if info.is_required() and raw.get(name) is None:
+                raise ValueError(f"loss.{spec.params_key}.{name} is required for {self.type}")
+        try:
+            return spec.params_cls.model_validate(raw)
+        except Exception as exc:  # re-raise with the field path
+            raise ValueError(f"loss.{spec.params_key}: {exc}") from None
+
+    @property
+    def spec(self) -> LossSpec:
+        return LOSS_SPECS[self.type]
+
+    def params(self) -> LossParams:
+        """The parsed params of `type` (parsed at validation, not again)."""
+        if self._params is None:  # built without validation (`model_construct`)
+            self._params = self._parse()
+        return self._params  # type: ignore[no-any-return]
+
+
+# --------------------------------------------------------------------------------------------
+# Optimizer, LoRA, sampling
+# --------------------------------------------------------------------------------------------
+
+
+class AdamParams(Spec):
+    """Per-step AdamW knobs; omitted fields take the Part B defaults."""
+
+    learning_rate: float = Field(default=1e-4, ge=0.0, allow_inf_nan=False)
+    beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(default=0.95, ge=0.0, lt=1.0)
+    eps: float = Field(default=1e-8, gt=0.0, allow_inf_nan=False)
+    weight_decay: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    grad_clip_norm: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
+
+
+class LoraConfig(Spec):
+    rank: int = Field(default=32, ge=1)
+    alpha: int = Field(
+        default=64, ge=1, le=MAX_LORA_ALPHA, description="LoRA scale numerator (alpha/rank)"
+    )
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    seed: Seed | None = None
+    train_unembed: bool = True
+
+
+class SamplingParams(Spec):
+    max_tokens: int = Field(default=100, ge=1)
+    temperature: Annotated[float, AfterValidator(check_temperature)] = Field(
+        default=1.0,
+        ge=0.0,
+        allow_inf_nan=False,
+        description=f"0 samples greedily; otherwise at least {MIN_TEMPERATURE}",
+    )
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, ge=-1)
+    stop: list[str] = Field(default_factory=list)
+    # token ids that end a sequence like EOS does (the Tinker face's integer `stop`)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    seed: Seed | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Resources, sessions, catalogue
+# --------------------------------------------------------------------------------------------
+
+
+class ModelEntry(StrictSpec):
+    """One base model the worker can serve, with its limits."""
+
+    name: str = Field(min_length=1, description="name clients use as base_model")
+    location: str = Field(min_length=1, description="local dir, hub id, or hf://org/name")
+    revision: str | None = None
+    tokenizer: str | None = Field(
+        default=None, description="tokenizer dir or hub id (default: location)"
+    )
+    max_seq_length: int = Field(default=4096, ge=2, description="tokens per sample")
+    max_lora_rank: int = Field(default=64, ge=1)
+    max_batch_size: int = Field(default=256, ge=1, description="samples per call")
+    max_tokens_per_call: int = Field(
+        default=1 << 20,
+        ge=1,
+        description="tokens in one call: all samples of a forward-backward, or prompts plus "
+        "max_tokens for every sequence of a sample call",
+    )
+    trust_remote_code: bool = False
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+
+class ComputeConfig(Spec):
+    gpu_type: str | None = None
+    num_generator_replicas: int = Field(default=1, ge=0)
+
+
+class ResourceSpec(Spec):
+    base_model: str = Field(min_length=1)
+    base_weights_ref: str | None = None
+    lora_enabled: bool = True
+    optimizer_config: dict[str, Any] = Field(default_factory=lambda: {"adam": {}})
+    compute_config: ComputeConfig = Field(default_factory=ComputeConfig)
+    inactive_timeout: int = Field(default=3600, ge=300, le=86400)
+
+    @field_validator("optimizer_config", mode="before")
+    @classmethod
+    def _one_optimizer(cls, value: Any) -> dict[str, Any]:
+        return check_optimizer_config(value)
+
+
+_NAME = Field(default=None, max_length=256)
+
+
+class WandbMetadata(Spec):
+    """The SDK's `WandbMetadata`: these six strings and no others ("" clears one in a PATCH)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    entity: str | None = _NAME
+    project: str | None = _NAME
+    group: str | None = _NAME
+    run_id: str | None = _NAME
+    run_name: str | None = _NAME
+    url: str | None = Field(default=None, max_length=2048, description="http(s) URL of the run")
+
+    @field_validator("entity", "project", "group", "run_id", "run_name", "url")
+    @classmethod
+    def _printable(cls, value: str | None) -> str | None:
+        if value is not None and not value.isprintable():
+            raise ValueError("control characters are not allowed")
+        return value
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, value: str | None) -> str | None:
+        if value and not value.startswith(("https://", "http://")):
+            raise ValueError('must be an http(s) URL (or "" to clear it)')
+        return value
+
+
+class SessionMetadata(Spec):
+    """The SDK's `SessionMetadata`: only `wandb` exists; an unknown key is refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    wandb: WandbMetadata | None = None
+
+
+class SessionSpec(Spec):
+    lora_config: LoraConfig | None = None
+    resume_from_checkpoint_id: str | None = None
+    resume_from_hf_checkpoint: Annotated[str | None, AfterValidator(check_location)] = Field(
+        default=None,
+        max_length=PATH_MAX,
+        description="hub id (org/name, hf://org/name) or a local directory the worker may read",
+    )
+    load_optimizer: bool | None = None
+    display_name: str | None = Field(default=None, max_length=128)
+    metadata: SessionMetadata = Field(default_factory=SessionMetadata)
+
+    @model_validator(mode="after")
+    def _check(self) -> SessionSpec:
+        if self.resume_from_checkpoint_id and self.resume_from_hf_checkpoint:
+            raise ValueError(
+                "resume_from_checkpoint_id and resume_from_hf_checkpoint are mutually exclusive"
+            )
+        if self.resume_from_hf_checkpoint and self.load_optimizer:
+            raise ValueError(
+                "load_optimizer must be false or omitted with resume_from_hf_checkpoint "
+                "(a HF checkpoint carries no optimizer state)"
+            )
+        return self

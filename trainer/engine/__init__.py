@@ -1,0 +1,1 @@
+"""A model resource and its training sessions: atomic operations at any world size."""

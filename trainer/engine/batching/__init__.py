@@ -1,0 +1,1 @@
+"""Many LoRA sessions in one pass: the flat combiner and the schedulers."""

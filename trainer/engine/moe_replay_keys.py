@@ -1,0 +1,244 @@
+"""Routing-replay keys (Part B rule 12): where recorded routes live, and how a session's samples
+issue and use them.
+
+A key is `re-` and 32 hex digits. It names one file, `<storage>/routes/<key>.safetensors`, with
+two tensors, `tokens` (the sequence: prompt then completion, int64) and `routes` (`[positions,
+MoE layers, experts per token]`, int16: the expert ids the generator's router chose at every
+position it ran, i.e. all but the last token), and a JSON header (`session_id`, `created_at`).
+Files are written to a temporary name and renamed, so a key exists whole or not at all, and a
+restart finds them (`RouteStore` rebuilds its index from the directory).
+
+Keys expire `routes_ttl_s` after creation (default 2 h), and the files are kept within
+`routes_max_bytes` (oldest dropped first; the key just written always stays). Both are
+`[engine]` knobs.
+
+Using a key (`attach_routes`, before a call touches any state): unknown, expired, malformed or
+another session's key, or a sample whose tokens do not match the recorded sequence over the
+whole sample or all but its final token, is INVALID_INPUT naming
+`samples[i].routed_experts_key`. The sample then carries `routes` for its first positions: all
+of them, or all but the final one when that token is past the recording or differs from it
+(that position keeps the router's own choice).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from trainer.compute.moe_replay import route_shape
+from trainer.contract.errors import OperationError, invalid
+from trainer.contract.options import ROUTES_MAX_BYTES, ROUTES_TTL_S
+
+KEY_PATTERN = re.compile(r"re-[0-9a-f]{32}")
+FIELD = "routed_experts_key"
+
+
+class UnknownKey(LookupError):
+    """The key is malformed, unknown or expired."""
+
+
+class RouteStore:
+    """The key files under one storage root. Thread-safe; `clock` is for tests."""
+
+    def __init__(
+        self,
+        root: Path,
+        ttl_s: float = ROUTES_TTL_S,
+        max_bytes: int = ROUTES_MAX_BYTES,
+        clock: Any = time.time,
+    ) -> None:
+        self.dir = Path(root) / "routes"
+        self.ttl_s = ttl_s
+        self.max_bytes = max_bytes
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._index: dict[str, tuple[float, int]] = {}  # key -> (created_at, bytes)
+        self._scan()
+
+    def _scan(self) -> None:
+        if not self.dir.is_dir():
+            return
+        for path in self.dir.iterdir():
+            if path.suffix == ".tmp":
+                path.unlink(missing_ok=True)  # a write cut short
+                continue
+            key = path.name.removesuffix(".safetensors")
+            if KEY_PATTERN.fullmatch(key) and self._index_one(key) is None:
+                path.unlink(missing_ok=True)  # a damaged file: it can serve no replay
+
+    def _index_one(self, key: str) -> tuple[float, int] | None:
+        path = self._path(key)
+        try:
+            with safe_open(str(path), "pt") as f:
+                created = float((f.metadata() or {})["created_at"])
+        except Exception:  # damaged or half-visible: not a key
+            return None
+        self._index[key] = (created, path.stat().st_size)
+        return self._index[key]
+
+    def _path(self, key: str) -> Path:
+        return self.dir / f"{key}.safetensors"
+
+    def put(self, session_id: str, tokens: list[int], routes: torch.Tensor) -> str:
+        """Store one sequence's routes; returns its new key."""
+        key = "re-" + secrets.token_hex(16)
+        now = float(self.clock())
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self._path(key)
+        tmp = path.with_suffix(".tmp")
+        tensors = {
+            "tokens": torch.tensor(tokens, dtype=torch.int64),
+            "routes": routes.to(torch.int16).contiguous(),
+        }
+        try:
+            save_file(
+                tensors, str(tmp), metadata={"session_id": session_id, "created_at": repr(now)}
+            )
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        with self._lock:
+            self._index[key] = (now, path.stat().st_size)
+            self._evict(now, keep=key)
+        return key
+
+    def _evict(self, now: float, keep: str) -> None:
+        """Expired keys, then the oldest while over the byte budget (`keep` stays)."""
+        for key, (created, _) in list(self._index.items()):
+            if now - created > self.ttl_s and key != keep:
+                self._drop(key)
+        total = sum(size for _, size in self._index.values())
+        for key, (_, size) in sorted(self._index.items(), key=lambda kv: kv[1][0]):
+            if total <= self.max_bytes:
+                break
+            if key != keep:
+                self._drop(key)
+                total -= size
+
+    def _drop(self, key: str) -> None:
+        self._index.pop(key, None)
+        self._path(key).unlink(missing_ok=True)
+
+    def get(self, key: str) -> tuple[str, torch.Tensor, torch.Tensor]:
+        """(session id, tokens, routes) of a live key; UnknownKey otherwise."""
+        if not isinstance(key, str) or not KEY_PATTERN.fullmatch(key):
+            raise UnknownKey("not a routed-experts key")
+        now = float(self.clock())
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None and self._path(key).is_file():  # written by another process
+                entry = self._index_one(key)
+            if entry is None:
+                raise UnknownKey("unknown key (never issued, or dropped by the byte budget)")
+            if now - entry[0] > self.ttl_s:
+                self._drop(key)
+                raise UnknownKey(f"the key expired ({self.ttl_s:g} s after it was issued)")
+            path = self._path(key)
+            try:
+                with safe_open(str(path), "pt") as f:
+                    session_id = (f.metadata() or {})["session_id"]
+                    return str(session_id), f.get_tensor("tokens"), f.get_tensor("routes")
+            except Exception as exc:  # dropped by another process, or damaged
+                self._index.pop(key, None)
+                raise UnknownKey("unknown key") from exc
+
+
+_STORES: dict[Path, RouteStore] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def store_for(session: Any) -> RouteStore:
+    """The key store under the session's storage root, with its `[engine]` limits."""
+    root = Path(str(getattr(session.resource.store, "root", "."))).resolve()
+    with _STORES_LOCK:
+        store = _STORES.get(root)
+        if store is None:
+            store = _STORES[root] = RouteStore(root)
+    store.ttl_s = float(session.options.routes_ttl_s)
+    store.max_bytes = int(session.options.routes_max_bytes)
+    return store
+
+
+def issue_keys(session: Any, prompt: list[int], group: list[Any]) -> list[str | None]:
+    """A key per sequence of one prompt's group (None for a sequence without routes). Only
+    rank 0 writes (its keys are the ones the client sees; the files are shared)."""
+    if session.comm.rank != 0 or all(getattr(s, "routes", None) is None for s in group):
+        return [None] * len(group)
+    store = store_for(session)
+    return [
+        None if seq.routes is None else store.put(session.id, prompt + seq.tokens, seq.routes)
+        for seq in group
+    ]
+
+
+def attach_routes(session: Any, samples: list[Any], prepared: list[Any]) -> None:
+    """Each keyed sample's recorded routes onto its prepared sample (module docstring).
+
+    Under several ranks only rank 0 reads the keys (the other ranks' checkpoint store does not
+    know the storage root); every rank then takes rank 0's routes, or its refusal, from one
+    exchange, so all fail alike or none."""
+    keyed = [(i, s.routed_experts_key) for i, s in enumerate(samples) if s.routed_experts_key]
+    if not keyed:
+        return
+    comm = session.comm
+    if comm.world_size == 1:
+        found = _resolve(session, keyed, prepared)
+    else:
+        report: dict[str, Any] = {}
+        if comm.rank == 0:
+            try:
+                mine = _resolve(session, keyed, prepared)
+                report = {"routes": {str(i): r.tolist() for i, r in mine.items()}}
+            except OperationError as exc:
+                report = {"field": exc.field, "message": str(exc)}
+        first = comm.all_gather_json(report)[0]
+        if "field" in first:
+            field = str(first["field"])
+            raise invalid(field, str(first["message"]).removeprefix(f"{field}: "))
+        found = {int(i): torch.tensor(r, dtype=torch.int16) for i, r in first["routes"].items()}
+    for i, routes in found.items():
+        prepared[i].routes = routes
+
+
+def _resolve(
+    session: Any, keyed: list[tuple[int, str]], prepared: list[Any]
+) -> dict[int, torch.Tensor]:
+    shape = route_shape(session.policy.model)
+    store = store_for(session)
+    found: dict[int, torch.Tensor] = {}
+    for i, key in keyed:
+        where = f"samples[{i}].{FIELD}"
+        if shape is None:
+            raise invalid(where, "this model has no mixture-of-experts layers: no key exists")
+        try:
+            owner, tokens, routes = store.get(key)
+        except UnknownKey as exc:
+            raise invalid(where, str(exc)) from None
+        if owner != session.id:
+            raise invalid(where, "the key belongs to another session")
+        if tuple(routes.shape[1:]) != shape:
+            raise invalid(where, "the key was recorded on another model")
+        mine = prepared[i].tokens_T
+        n = int(mine.shape[0])
+        head = n - 1
+        if head > routes.shape[0] or not torch.equal(mine[:head], tokens[:head]):
+            raise invalid(
+                where,
+                f"the sample's tokens do not match the recorded sequence over the whole sample "
+                f"or all but its final token ({routes.shape[0]} routed positions)",
+            )
+        last_ok = (
+            n <= routes.shape[0] and n <= tokens.shape[0] and int(mine[-1]) == int(tokens[n - 1])
+        )
+        found[i] = routes[: n if last_ok else head]
+    return found

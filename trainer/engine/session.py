@@ -1,0 +1,491 @@
+"""One training session: its policy, optimizer, counters and RNG, and its atomic operations.
+
+Every operation validates its input before touching any state, runs under the resource lock
+(one GPU, many LoRA sessions), and either completes or leaves no trace:
+- forward-backward computes new gradients apart from the accumulated ones and adds them only
+  when loss and gradients are finite;
+- optim-step checks the gradient norm before AdamW touches a weight;
+- a checkpoint is listed only once complete (see `checkpoint/store.py`);
+- any operation that raises gets back the RNG state, step and versions (pending publish
+  included) it started with, and its registered undo actions run (`_running`); a sample
+  swaps a pending publish back out of the generator that way (`engine/generator.py`).
+
+Each session has its own RNG state (LoRA dropout, sampling without a seed): it is swapped in
+for the session's operations only, so interleaved sessions do not perturb each other and a
+resumed session continues bit for bit.
+
+One code path for any world size: the resource's placement (`trainer/compute/placement.py`) says
+where the model lives and gives the communicator. In one process (`Plain`, `Solo`) every
+collective is an identity; under torchrun (`distributed.sharding.Sharded`, `distributed.comm`)
+each rank runs its share of the samples, as many micro-batches as the busiest rank, and the
+losses, metrics, finite checks and gradient norm are global. The optimizer is `optim.py`; the
+checkpoint layout is `checkpoint/layout.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from trainer.checkpoint import layout
+from trainer.checkpoint.store import INFERENCE, TRAINING, CheckpointRecord, write_json
+from trainer.compute import optim
+from trainer.compute.batch import (
+    MicroBatch,
+    PreparedSample,
+    check_rules,
+    loss_norm,
+    pack,
+    prepare_samples,
+)
+from trainer.compute.logprobs import batch_logprobs
+from trainer.compute.losses import LossInputs, LossOutputs, custom_loss, pick_loss
+from trainer.compute.moe_replay import replaying
+from trainer.compute.muon import MuonWithAdamW, muon_step, new_muon
+from trainer.compute.policy import Policy, cuda_devices
+from trainer.compute.rounds import (
+    add_metrics,
+    call_result,
+    collect_outputs,
+    empty_batch,
+    merge_reports,
+    new_sums,
+    split_by_tokens,
+)
+from trainer.contract.errors import OperationError
+from trainer.contract.muon_params import MuonParams
+from trainer.contract.optimizer import optimizer_kind
+from trainer.contract.options import EngineOptions
+from trainer.contract.specs import (
+    AdamParams,
+    Gradient,
+    LossConfig,
+    Sample,
+    SessionSpec,
+)
+from trainer.distributed.comm import fault_point
+from trainer.engine.generator import GeneratorOps, Undo, Versions
+from trainer.engine.moe_replay_keys import attach_routes
+from trainer.tracking import worker_run
+
+if TYPE_CHECKING:
+    from trainer.compute.placement import Communicator
+    from trainer.engine.handle import ResourceHandle
+
+
+@dataclass
+class TrainingSession(GeneratorOps):
+    resource: ResourceHandle
+    id: str
+    spec: SessionSpec
+    policy: Policy
+    rng_seed: int
+    step: int = 0
+    versions: Versions = field(default_factory=Versions)
+    options: EngineOptions = field(default_factory=EngineOptions)
+    training_checkpoints: list[CheckpointRecord] = field(default_factory=list)
+    inference_checkpoints: list[CheckpointRecord] = field(default_factory=list)
+    active: bool = True
+
+    def __post_init__(self) -> None:
+        config = self.resource.spec.optimizer_config
+        self.optimizer: torch.optim.Optimizer = (
+            new_muon(
+                self.policy.trainable,
+                config["muon"]["scaling_strategy"],
+                getattr(self.policy, "expert_factors", None),  # LoRA on MoE experts
+            )
+            if optimizer_kind(config) == "muon"
+            else optim.new_adamw(list(self.policy.trainable.values()))
+        )
+        gen = torch.Generator().manual_seed(self.rng_seed)
+        self._cpu_rng = gen.get_state()
+        self._cuda_rng = [torch.cuda.get_rng_state(i) for i in cuda_devices()]
+        self.tracker = worker_run(
+            self.id, self.spec.metadata.model_dump(), str(getattr(self.resource.store, "root", "."))
+        )
+
+    # -- state -----------------------------------------------------------------------------
+
+    def policy_state(self) -> dict[str, Any]:
+        return self.versions.as_dict()
+
+    @property
+    def device(self) -> torch.device:
+        return self.resource.device
+
+    @property
+    def comm(self) -> Communicator:
+        """The ranks this session runs on (one process: identities)."""
+        return self.resource.comm
+
+    @contextlib.contextmanager
+    def _running(self) -> Iterator[Undo]:
+        """Resource lock + this session's RNG state swapped in for the operation. The RNG
+        state is kept only if the operation completes; if it raises, step and versions (pending
+        publish included) are put back and the undo actions it registered run in reverse."""
+        if not self.active:
+            raise OperationError("SESSION_NOT_ACTIVE", f"session {self.id} is not running")
+        devices = cuda_devices()
+        with self.resource.lock, torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(self._cpu_rng)
+            for i, state in zip(devices, self._cuda_rng):
+                torch.cuda.set_rng_state(state, i)
+            saved = (self.step, replace(self.versions))
+            undo: Undo = []
+            try:
+                yield undo
+            except BaseException:
+                for action in reversed(undo):
+                    action()
+                self.step, self.versions = saved
+                raise
+            self._cpu_rng = torch.get_rng_state()
+            self._cuda_rng = [torch.cuda.get_rng_state(i) for i in devices]
+
+    def _prepare(
+        self,
+        samples: list[Sample],
+        required: tuple[str, ...] = (),
+        weights_are_mask: bool = True,
+        gradients: list[Gradient] | None = None,
+    ) -> list[PreparedSample]:
+        entry = self.resource.entry
+        prepared = prepare_samples(
+            samples,
+            vocab_size=self.resource.vocab_size,
+            max_seq_length=entry.max_seq_length,
+            max_batch_size=entry.max_batch_size,
+            required=required,
+            weights_are_mask=weights_are_mask,
+            gradients=gradients,
+        )
+        attach_routes(self, samples, prepared)  # MoE routing replay (rule 12)
+        return prepared
+
+    # -- forward / backward ----------------------------------------------------------------
+
+    def forward_backward(
+        self,
+        loss: LossConfig,
+        samples: list[Sample],
+        *,
+        forward_only: bool = False,
+        return_loss_fn_outputs: bool = False,
+        logprobs_unmasked: bool = False,
+    ) -> dict[str, Any]:
+        """Part B §1–5. Returns {"loss", "metrics", "loss_fn_outputs"?}.
+
+        `logprobs_unmasked` (the Tinker face): `loss_fn_outputs` hold lp_t at every position,
+        masked ones included (Part B rule 4 zeroes them otherwise); loss, gradients and metrics
+        are unchanged."""
+        spec, params = loss.spec, loss.params()
+        prepared = self._prepare(samples, spec.required, weights_are_mask=spec.weights_are_mask)
+        for sample in prepared:
+            sample.keep_all = logprobs_unmasked
+        check_rules(prepared, spec.rules_for(params))
+        compute = pick_loss(loss.type, params)
+
+        def fn(inputs: LossInputs, _: MicroBatch) -> LossOutputs:
+            return compute(inputs)
+
+        result = self._run(prepared, fn, forward_only, return_loss_fn_outputs)
+        if self.tracker is not None and not forward_only:
+            metrics = {f"train/{k}": v for k, v in result["metrics"].items()}
+            self.tracker.log(self.step, {"train/loss": result["loss"], **metrics})
+        return result
+
+    def custom_forward_backward(
+        self, samples: list[Sample], gradients: list[Gradient]
+    ) -> dict[str, Any]:
+        """Backpropagate Σ_t m_t · g_t · lp_t with the client's per-token gradients g."""
+        prepared = self._prepare(samples, gradients=gradients)
+
+        def fn(inputs: LossInputs, batch: MicroBatch) -> LossOutputs:
+            grads = batch.gather("gradients")
+            assert grads is not None
+            return custom_loss(inputs, grads.to(inputs.logprobs_P.device))
+
+        self._run(prepared, fn, forward_only=False, return_outputs=False)
+        return {}
+
+    def _run(
+        self,
+        prepared: list[PreparedSample],
+        fn: Callable[[LossInputs, MicroBatch], LossOutputs],
+        forward_only: bool,
+        return_outputs: bool,
+    ) -> dict[str, Any]:
+        """Through the resource's scheduler (`batching/pass_scheduler.py`: merged with other
+        sessions' calls)
+        when it has one, else alone."""
+        scheduler = getattr(self.resource, "scheduler", None)
+        if scheduler is not None:
+            result = scheduler.run(self, prepared, fn, forward_only, return_outputs)
+            return cast(dict[str, Any], result)
+        return self._run_alone(prepared, fn, forward_only, return_outputs)
+
+    def _run_alone(
+        self,
+        prepared: list[PreparedSample],
+        fn: Callable[[LossInputs, MicroBatch], LossOutputs],
+        forward_only: bool,
+        return_outputs: bool,
+    ) -> dict[str, Any]:
+        norm = loss_norm(prepared)
+        batches = self._pack(prepared)
+        with self._running(), self.policy.training(train=not forward_only):
+            stash = None if forward_only else self._stash_grads()
+            try:
+                result = self._run_batches(batches, norm, fn, forward_only, return_outputs)
+                if not forward_only:
+                    self._check_new_grads()
+            except BaseException:
+                if stash is not None:
+                    self._restore_grads(stash)
+                raise
+            if stash is not None:
+                self._merge_grads(stash)
+        return result
+
+    def _pack(self, prepared: list[PreparedSample]) -> list[MicroBatch]:
+        """The micro-batches this rank runs: its share of the call's samples (all of them in
+        one process)."""
+        mine = split_by_tokens(prepared, self.comm.world_size)[self.comm.rank]
+        if not mine:
+            return []
+        return pack(
+            mine, row_tokens=self.options.row_tokens, token_budget=self.options.token_budget
+        )
+
+    def _run_batches(
+        self,
+        batches: list[MicroBatch],
+        norm: Any,
+        fn: Callable[[LossInputs, MicroBatch], LossOutputs],
+        forward_only: bool,
+        return_outputs: bool,
+    ) -> dict[str, Any]:
+        """Every rank runs as many micro-batches as the busiest one (`empty_batch` when it has
+        none left) and no rank raises mid-call: the first failure is kept, every rank runs the
+        same collectives, and all fail together once the reports are exchanged."""
+        total = 0.0
+        sums = new_sums()
+        outputs: dict[int, list[float]] = {}
+        failure: list[str] | None = None
+        rounds = self.comm.max_int(len(batches))
+        try:
+            for i in range(rounds):
+                if failure is not None and self.comm.world_size == 1:
+                    break  # alone, nobody waits on our collectives: fail at once
+                fault_point("micro_batch")
+                real = i < len(batches)
+                batch = batches[i] if real else empty_batch()
+                with torch.set_grad_enabled(not forward_only):
+                    logprobs_P, entropy_P, link = self._logprobs(batch, forward_only)
+                    loss = link
+                    if real:
+                        out, failure = self._loss(fn, batch, logprobs_P, norm, failure)
+                        if out is not None:
+                            loss = out.loss + link
+                            total += float(out.loss.detach())
+                            add_metrics(sums, out.metrics)
+                if not forward_only and loss.requires_grad:
+                    loss.backward()
+                if real:
+                    if entropy_P is not None and any(s.keep_all for s in batch.samples):
+                        entropy_P = entropy_P[batch.mask_P().to(entropy_P.device) != 0]
+                    add_metrics(sums, {}, entropy_P)
+                if real and return_outputs:
+                    collect_outputs(batch, logprobs_P.detach().float().cpu(), outputs)
+        finally:
+            if forward_only:
+                self.resource.placement.reshard()
+        reports = self.comm.all_gather_json(
+            {"loss": total, "sums": sums, "outputs": outputs, "failure": failure}
+        )
+        for report in reports:  # the same reports on every rank: all raise, or none
+            if report["failure"] is not None:
+                raise OperationError(*report["failure"])
+        if not forward_only:
+            optim.sum_replicated_grads(list(self.policy.trainable.values()), self.comm)
+        loss_total, merged, merged_outputs = merge_reports(reports)
+        return call_result(loss_total, merged, merged_outputs if return_outputs else None, norm)
+
+    def _loss(
+        self,
+        fn: Callable[[LossInputs, MicroBatch], LossOutputs],
+        batch: MicroBatch,
+        logprobs_P: torch.Tensor,
+        norm: Any,
+        failure: list[str] | None,
+    ) -> tuple[LossOutputs | None, list[str] | None]:
+        """The micro-batch's loss, or None and the call's first failure."""
+        try:
+            out = fn(self._loss_inputs(batch, logprobs_P, norm), batch)
+        except ValueError as exc:
+            return None, failure or ["INVALID_INPUT", str(exc)]
+        if not torch.isfinite(out.loss):
+            return None, failure or ["NON_FINITE_LOSS", f"the loss is not finite ({out.loss})"]
+        return out, failure
+
+    def _logprobs(
+        self, batch: MicroBatch, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Logprobs (entropy) of the kept tokens, and the `link` that makes a backward reach
+        every parameter, computed the same way whatever the placement (packed varlen
+        attention, no `[rows, L, L]` mask, when the model's attention takes it)."""
+        with replaying(self.policy.model, batch):  # a keyed sample's recorded experts
+            return cast(
+                tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
+                self.resource.placement.run(
+                    self.policy.model,
+                    batch_logprobs,
+                    batch,
+                    self.device,
+                    self.options.chunk_tokens,
+                    with_entropy,
+                    backend=self.options.logprob_backend,
+                ),
+            )
+
+    def _loss_inputs(self, batch: MicroBatch, logprobs_P: torch.Tensor, norm: Any) -> LossInputs:
+        device = logprobs_P.device
+
+        def get(name: str) -> torch.Tensor | None:
+            value = batch.gather(name)
+            return None if value is None else value.to(device)
+
+        return LossInputs(
+            logprobs_P=logprobs_P,
+            sample_index_P=batch.sample_index_P.to(device),
+            num_samples=len(batch.samples),
+            mask_P=batch.mask_P().to(device),
+            norm=norm,
+            weights_P=get("weights"),
+            sampler_logprobs_P=get("logprobs"),
+            advantages_P=get("advantages"),
+            reference_logprobs_P=get("reference_logprobs"),
+        )
+
+    # -- gradients, kept apart until they are known to be finite ---------------------------
+
+    def _stash_grads(self) -> dict[str, torch.Tensor | None]:
+        stash = {}
+        for name, param in self.policy.trainable.items():
+            stash[name] = param.grad
+            param.grad = None
+        return stash
+
+    def _check_new_grads(self) -> None:
+        optim.check_finite_grads(list(self.policy.trainable.values()), self.comm)
+
+    def _restore_grads(self, stash: dict[str, torch.Tensor | None]) -> None:
+        for name, param in self.policy.trainable.items():
+            param.grad = stash[name]
+
+    def _merge_grads(self, stash: dict[str, torch.Tensor | None]) -> None:
+        for name, param in self.policy.trainable.items():
+            old = stash[name]
+            if old is None:
+                continue
+            param.grad = old if param.grad is None else old.add_(param.grad)
+
+    # -- optimizer -------------------------------------------------------------------------
+
+    def optim_step(
+        self, adam: AdamParams | None = None, muon: MuonParams | None = None
+    ) -> dict[str, Any]:
+        """The resource's optimizer with per-call knobs (omitted: defaults): global-norm
+        clipping, then AdamW (decoupled decay) or Muon + AdamW (`muon.py`), then zero grads."""
+        is_muon = isinstance(self.optimizer, MuonWithAdamW)
+        if (adam if is_muon else muon) is not None:  # the route refuses it first, as a 400
+            field = "adam_params" if is_muon else "muon_params"
+            raise OperationError("INVALID_INPUT", f"{field}: not the resource's optimizer", field)
+        with self._running():
+            params = list(self.policy.trainable.values())
+            if isinstance(self.optimizer, MuonWithAdamW):
+                metrics = muon_step(self.optimizer, params, muon or MuonParams(), self.comm)
+            else:
+                metrics = optim.adamw_step(self.optimizer, params, adam or AdamParams(), self.comm)
+            self.step += 1
+            self.versions.trainer_step += 1
+        if self.tracker is not None:
+            self.tracker.log(self.step, {f"optim/{k}": v for k, v in metrics.items()})
+        return {
+            "step": self.step,
+            "metrics": metrics,
+        }
+
+    # -- checkpoints (the layout: `checkpoint/layout.py`) -----------------------------------
+
+    def save_training_checkpoint(self) -> CheckpointRecord:
+        """Weights (adapter or full), AdamW state, counters, RNG states and specs. The files
+        are written from the live tensors under the lock, with no copy-out (from an accelerator
+        one tensor at a time); their fsync and sha256 finish once it is released (row 6)."""
+        meta = {"world_size": self.comm.world_size} if self.comm.world_size > 1 else {}
+        record = self._store(TRAINING, lambda out: layout.write_training(self, out), **meta)
+        self.training_checkpoints.append(record)
+        return record
+
+    def save_inference_checkpoint(self) -> CheckpointRecord:
+        """LoRA: `adapter/` (PEFT) + `merged/`; full weights: `merged/`. Sharded weights are
+        gathered to rank 0, which writes; the other ranks' result is never read."""
+        with self._running():
+            source = self.resource.placement.full_state(self.policy.model)
+        if self.comm.rank != 0:
+            return layout.placeholder_record()
+        state = layout.state_json(self)
+
+        def writer(out: Path) -> None:
+            layout.write_inference(self.policy, out, self.resource.tokenizer, source)
+            write_json(out / "state.json", state)
+
+        with self._running():
+            record = self._store(INFERENCE, writer)
+        self.inference_checkpoints.append(record)
+        return record
+
+    def _store(self, kind: str, writer: Callable[[Path], None], **meta: Any) -> CheckpointRecord:
+        """Write a checkpoint of this session atomically and list it in the catalogue."""
+        return self.resource.store.write(
+            type=kind,
+            session_id=self.id,
+            step=self.step,
+            base_model=self.resource.entry.name,
+            lora_rank=self._lora_rank(),
+            writer=writer,
+            meta={"kind": self.policy.kind, **meta},
+        )
+
+    def _lora_rank(self) -> int | None:
+        config = getattr(self.policy, "config", None)
+        return None if config is None else int(config.rank)
+
+    def rng_tensors(self) -> dict[str, torch.Tensor]:
+        """The session's RNG states as a checkpoint holds them (copies)."""
+        rng = {"cpu": self._cpu_rng.clone()}
+        rng.update({f"cuda{i}": s.clone() for i, s in enumerate(self._cuda_rng)})
+        return rng
+
+    def restore_rng(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._cpu_rng = tensors["cpu"].clone()
+        for i in range(len(self._cuda_rng)):
+            if f"cuda{i}" in tensors:
+                self._cuda_rng[i] = tensors[f"cuda{i}"].clone()
+
+    def close(self) -> None:
+        with self.resource.lock:
+            self.active = False
+            self.optimizer.state.clear()
+            for param in self.policy.trainable.values():
+                param.grad = None
+            self.policy.close()
+            if self.tracker is not None:
+                self.tracker.finish()
+                self.tracker = None

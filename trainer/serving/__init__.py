@@ -1,0 +1,1 @@
+"""The worker behind both HTTP faces: sessions, queues, the operation table, the catalogue."""

@@ -1,0 +1,151 @@
+"""Typed settings of `trainer serve`: a TOML file plus a few command-line overrides.
+
+TOML layout (every key optional except what the command line does not give)::
+
+    host = "127.0.0.1"
+    port = 8321
+    storage = "/var/lib/trainer"
+
+    [[model]]
+    name = "qwen3-0.6b"
+    location = "Qwen/Qwen3-0.6B"
+    max_seq_length = 8192
+    max_lora_rank = 64
+
+    [engine]                      # trainer.contract.options.EngineOptions: every resource and
+    session
+    row_tokens = 2048
+    token_budget = 16384
+    chunk_tokens = 1024
+    activation_checkpointing = false
+    logprob_backend = "ours"
+
+    [distributed]                 # trainer.contract.options.DistributedOptions: under torchrun
+    cpu_offload = false
+    collective_timeout_s = 600
+
+Every `[engine]` / `[distributed]` key also has a flag, `--engine-row-tokens 4096`,
+`--distributed-cpu-offload` (`trainer.contract.options.add_option_flags`), which wins over the file.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from trainer.contract.options import DistributedOptions, EngineOptions
+from trainer.contract.specs import ModelEntry, StrictSpec
+
+
+class ServeConfig(StrictSpec):
+    """Everything the HTTP worker needs; validated before any model is touched."""
+
+    host: str = Field(default="127.0.0.1", description="interface to bind")
+    port: int = Field(default=8321, ge=0, le=65535, description="TCP port (0 = any free)")
+    storage: Path = Field(description="root of the SQLite catalogues, checkpoints and payloads")
+    models: list[ModelEntry] = Field(
+        default_factory=list, alias="model", description="the catalogue"
+    )
+    token_file: Path | None = Field(default=None, description="file holding the bearer token")
+    no_auth: bool = Field(default=False, description="serve without a token (loopback only)")
+    resource_file: Path | None = Field(default=None, description="JSON resource to preload")
+    session_file: Path | None = Field(default=None, description="JSON session to preload")
+    device: str | None = Field(default=None, description="torch device; default cuda if present")
+    public_url: str | None = Field(
+        default=None, description="base of signed URLs; default: the URL the client used"
+    )
+    signed_url_ttl_s: float = Field(default=3600.0, gt=0, description="life of signed URLs")
+    op_inline_wait_s: float = Field(
+        default=0.2, ge=0, description="how long an operation POST waits to answer COMPLETED"
+    )
+    session_create_wait_s: float = Field(
+        default=60.0, ge=0, description="how long a session POST waits to answer RUNNING"
+    )
+    resource_create_wait_s: float = Field(
+        default=60.0, ge=0, description="how long a resource POST waits for the model to load"
+    )
+    max_resources: int = Field(
+        default=8, ge=1, description="live model resources (each holds its own copy of a model)"
+    )
+    max_sessions_per_resource: int = Field(
+        default=64, ge=1, description="live sessions on one model resource"
+    )
+    max_body_bytes: int = Field(default=64 << 20, ge=1024, description="inline request bodies")
+    max_payload_bytes: int = Field(
+        default=1 << 30,
+        ge=1024,
+        description="uploaded payloads (the SDK allows 4.995 GiB; parsing one takes about 6x "
+        "its size in the body parser's process, and ~1x in the worker)",
+    )
+    result_offload_bytes: int = Field(
+        default=4 << 20, ge=1024, description="larger operation outputs go out by payload"
+    )
+    expiry_check_s: float = Field(default=5.0, gt=0, description="inactivity sweep period")
+    shutdown_grace_s: float = Field(
+        default=30.0, ge=0, description="on SIGTERM, how long the running operation may finish"
+    )
+    resume_roots: list[Path] = Field(
+        default_factory=list,
+        description="local directories besides `storage` that resume_from_hf_checkpoint may read",
+    )
+    engine: EngineOptions = Field(
+        default_factory=EngineOptions, description="how every resource and session computes"
+    )
+    distributed: DistributedOptions = Field(
+        default_factory=DistributedOptions, description="knobs that apply under torchrun"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ServeConfig:
+        names = [m.name for m in self.models]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"model: duplicate names {duplicates}")
+        return self
+
+    def model(self, name: str) -> ModelEntry | None:
+        return next((m for m in self.models if m.name == name), None)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def load_toml(path: Path) -> dict[str, Any]:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    with path.open("rb") as handle:
+        data: dict[str, Any] = tomllib.load(handle)
+    return data
+
+
+def parse_model_flag(value: str) -> tuple[str, str]:
+    """`NAME=PATH_OR_HUB_ID` -> (name, location)."""
+    name, sep, location = value.partition("=")
+    if not sep or not name.strip() or not location.strip():
+        raise ValueError(f"--model expects NAME=PATH_OR_HUB_ID, got {value!r}")
+    return name.strip(), location.strip()
+
+
+def merge_models(base: list[dict[str, Any]], flags: list[str]) -> list[dict[str, Any]]:
+    """Command-line models override the location of same-named config models, else append."""
+    merged = [dict(m) for m in base]
+    for flag in flags:
+        name, location = parse_model_flag(flag)
+        existing = next((m for m in merged if m.get("name") == name), None)
+        if existing is not None:
+            existing["location"] = location
+        else:
+            merged.append({"name": name, "location": location})
+    return merged

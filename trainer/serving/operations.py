@@ -1,0 +1,129 @@
+"""The operation table: each session operation is declared once, here.
+
+An `Operation` names its kind (the URL segment), its request body model, the engine method it
+calls, how the validated body becomes that method's keyword arguments, how the call's result
+becomes the operation's wire JSON, and an optional check against the model's limits. The rest
+is derived from `OPERATIONS`:
+- `trainer.api.rl.routes_ops`: a POST and a GET route per entry (so the OpenAPI schema names each
+  kind's body), the body validated and checked, the call queued on the session;
+- `trainer.distributed.spmd`: rank 0's `DistributedSession` forwards each entry's `method` to
+  every rank as JSON, and every rank dispatches it by that name.
+Adding an operation is one entry here plus one method on `trainer.engine.session.TrainingSession`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from trainer.contract.specs import ModelEntry
+from trainer.serving.checkpoint_errors import save_checkpoint
+from trainer.serving.requests import (
+    CustomForwardBackwardBody,
+    EmptyBody,
+    ForwardBackwardBody,
+    OptimStepBody,
+    SampleBody,
+    WeightsSyncBody,
+    check_custom,
+    check_forward_backward,
+    check_optimizer_params,
+    check_sample,
+)
+
+
+def _as_is(call: Callable[[], Any]) -> dict[str, Any]:
+    result: dict[str, Any] = call()
+    return result
+
+
+def _or_empty(call: Callable[[], Any]) -> dict[str, Any]:
+    return call() or {}
+
+
+def _no_args(_: Any) -> dict[str, Any]:
+    return {}
+
+
+@dataclass(frozen=True)
+class Operation:
+    kind: str  # the URL segment: `.../operations/<kind>`
+    body: type[BaseModel]  # the request body, validated once at the edge
+    method: str  # the engine session's method (and the SPMD command's `op`)
+    args: Callable[[Any], dict[str, Any]] = _no_args  # validated body -> keyword arguments
+    wire: Callable[[Callable[[], Any]], dict[str, Any]] = _as_is  # runs the call, shapes it
+    check: Callable[[Any, ModelEntry], None] | None = None  # limits of the model, as a 400
+    # the resource's optimizer_config, as a 400 (params of the other optimizer)
+    check_optimizer: Callable[[Any, dict[str, Any]], None] | None = None
+
+    def call(self, body: BaseModel) -> Callable[[Any], dict[str, Any]]:
+        """What the worker queues: the engine session in, the operation's wire JSON out."""
+        args = self.args(body)
+        return lambda session: self.wire(lambda: getattr(session, self.method)(**args))
+
+
+OPERATIONS: dict[str, Operation] = {
+    op.kind: op
+    for op in (
+        Operation(
+            "forward-backward",
+            ForwardBackwardBody,
+            "forward_backward",
+            lambda b: {
+                "loss": b.loss,
+                "samples": b.samples,
+                "forward_only": b.forward_only,
+                "return_loss_fn_outputs": b.return_loss_fn_outputs,
+                "logprobs_unmasked": b.logprobs_unmasked,
+            },
+            check=check_forward_backward,
+        ),
+        Operation(
+            "custom-forward-backward",
+            CustomForwardBackwardBody,
+            "custom_forward_backward",
+            lambda b: {"samples": b.samples, "gradients": b.gradients},
+            wire=_or_empty,
+            check=check_custom,
+        ),
+        Operation(
+            "optim-step",
+            OptimStepBody,
+            "optim_step",
+            lambda b: {"adam": b.adam_params, "muon": b.muon_params},
+            check_optimizer=check_optimizer_params,
+        ),
+        Operation(
+            "weights-sync",
+            WeightsSyncBody,
+            "weights_sync",
+            lambda b: {"sync_type": b.weight_sync_type},
+        ),
+        Operation(
+            "sample",
+            SampleBody,
+            "sample",
+            lambda b: {
+                "model_inputs": b.model_inputs,
+                "num_samples": b.num_samples,
+                "sampling_params": b.sampling_params,
+                "prompt_logprobs": b.prompt_logprobs,
+                "topk_prompt_logprobs": b.topk_prompt_logprobs,
+                "return_routed_experts": b.return_routed_experts,
+            },
+            check=check_sample,
+        ),
+        Operation(
+            "training-checkpoint", EmptyBody, "save_training_checkpoint", wire=save_checkpoint
+        ),
+        Operation(
+            "inference-checkpoint", EmptyBody, "save_inference_checkpoint", wire=save_checkpoint
+        ),
+    )
+}
+
+# the engine methods the table calls, by name (the SPMD proxy and dispatch read this)
+METHODS: dict[str, Operation] = {op.method: op for op in OPERATIONS.values()}
