@@ -59,7 +59,7 @@ def baseline_save(session: Any) -> None:
     """The training-checkpoint write before `save_tensors`: same copy-out, then safetensors'
     `save_file`, then every file sealed after the writer returns (the store seals what the
     writer did not hand over)."""
-    with session._running():
+    with session.operation_scope():
         weights = {n: p.detach().to("cpu").clone() for n, p in session.policy.trainable.items()}
         optimizer = optim.state_tensors(session.optimizer, session.policy.trainable)
         rng = {"cpu": session._cpu_rng.clone()}

@@ -10,13 +10,8 @@ import torch
 from benchmarks.engine_setup import ce_samples, grpo_samples, make_resource, make_session
 from benchmarks.harness import Measurement, measure
 from benchmarks.shapes import old_logprobs, rl_batch, shape_from
-from trainer.compute.batch import (
-    PACKED_SDPA,
-    PreparedSample,
-    pack,
-    prepare_samples,
-    use_packed_sdpa,
-)
+from trainer.compute.attention import PACKED_SDPA, use_packed_sdpa
+from trainer.compute.batch import PreparedSample, pack, prepare_samples
 from trainer.compute.logprobs import token_logprobs
 from trainer.contract.specs import AdamParams, LossConfig
 

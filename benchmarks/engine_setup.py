@@ -76,8 +76,8 @@ def make_resource(
     device: str = "cpu",
     dtype: str = "auto",
 ) -> Any:
+    from trainer.contract.options import EngineOptions
     from trainer.engine.resource import ModelResource
-    from trainer.engine.session import EngineOptions
 
     entry = ModelEntry.model_validate(
         dict(

@@ -1,4 +1,4 @@
-"""`scripts/bench.py` and `trainer bench`: run the rows, print the table, update BENCHMARKS.md."""
+"""`scripts/bench.py`: run the rows, print the table, update BENCHMARKS.md."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@
 Each comparison runs its arms in fresh subprocesses (clean peak memory), prints one table,
 and, unless `--quick` or `--no-write`, writes it between the `bench` markers of BENCHMARKS.md
 with the command, the machine and the versions. Also callable as `main(argv)`
-(`benchmarks.main.main`, for `trainer bench`). `--save-json F` keeps the results;
+(`benchmarks.main.main`). `--save-json F` keeps the results;
 `--from-json F` re-renders them without measuring.
 """
 

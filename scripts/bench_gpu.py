@@ -40,7 +40,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.shapes import ModelShape, qwen3_config  # noqa: E402
-from trainer.compute.batch import PACKED_SDPA, PreparedSample, pack, use_packed_sdpa  # noqa: E402
+from trainer.compute.attention import PACKED_SDPA, use_packed_sdpa  # noqa: E402
+from trainer.compute.batch import PreparedSample, pack  # noqa: E402
 from trainer.compute.logprobs import token_logprobs  # noqa: E402
 from trainer.tiny import TinySpec  # noqa: E402
 

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.compute.batch import use_packed_sdpa
+from trainer.compute.attention import use_packed_sdpa
 from trainer.compute.logprobs import token_logprobs
 from trainer.compute.multilora import Segment, segmented
 from trainer.compute.policy import LoraPolicy

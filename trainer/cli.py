@@ -166,26 +166,9 @@ def _demo_args(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(run=demo.run)
 
 
-def _bench_args(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "bench",
-        help="the benchmark suite of BENCHMARKS.md (see scripts/bench.py)",
-        add_help=False,
-    )
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(run=_run_bench)
-
-
-def _run_bench(args: argparse.Namespace) -> int:
-    from benchmarks.main import main as bench_main
-
-    return int(bench_main(args.rest, prog="trainer bench") or 0)
-
-
 COMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
     _serve_args,
     _demo_args,
-    _bench_args,
 ]
 
 
@@ -199,8 +182,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:  # its own parser: every later argument is the suite's
-        return _run_bench(argparse.Namespace(rest=argv[1:]))
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, str(getattr(args, "log_level", "info")).upper()),

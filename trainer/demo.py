@@ -169,7 +169,7 @@ def _session_settings(recipe: Recipe) -> tuple[dict[str, Any] | None, dict[str, 
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from trainer import tracking
+    from trainer.engine import tracking
     from trainer.rl.client import HttpClient
     from trainer.rl.loop import RLLoop
     from trainer.rl.tasks import make_task

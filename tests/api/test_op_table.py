@@ -165,7 +165,7 @@ def test_proxy_and_dispatch_follow_the_table(
 ) -> None:
     """Rank 0's proxy forwards each table method (and a new entry's) through the real command
     stream as JSON, every rank dispatches it by name, and the outcome equals a direct call."""
-    monkeypatch.setattr(spmd_module, "METHODS", {**METHODS, "score": SCORE_SPMD})
+    monkeypatch.setattr(spmd_module, "SESSION_METHODS", {*spmd_module.SESSION_METHODS, "score"})
     resource = make_resource(tiny_qwen_dir, tmp_path)
     spec = SessionSpec(lora_config=LoraConfig(rank=4, seed=0))
     direct = resource.create_session("direct", spec)

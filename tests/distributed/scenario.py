@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from tests.engine.helpers import model_input, random_batch
+from trainer.contract.options import EngineOptions
 from trainer.contract.specs import (
     AdamParams,
     Gradient,
@@ -19,7 +20,6 @@ from trainer.contract.specs import (
     SamplingParams,
     SessionSpec,
 )
-from trainer.engine.session import EngineOptions
 
 # Small rows and budgets: several micro-batches per call, unevenly split over two ranks.
 OPTIONS = EngineOptions(row_tokens=16, token_budget=16, chunk_tokens=8)

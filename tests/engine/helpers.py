@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from trainer.checkpoint.store import CheckpointStore
+from trainer.contract.options import EngineOptions
 from trainer.contract.specs import (
     EncodedTextChunk,
     ModelEntry,
@@ -17,7 +18,6 @@ from trainer.contract.specs import (
     TensorData,
 )
 from trainer.engine.resource import ModelResource
-from trainer.engine.session import EngineOptions
 
 
 def model_input(tokens: list[int]) -> ModelInput:

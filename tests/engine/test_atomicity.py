@@ -21,6 +21,7 @@ import torch
 from tests.engine.helpers import make_resource, model_input, random_batch, sample
 from trainer.compute import optim
 from trainer.contract.errors import OperationError
+from trainer.contract.options import EngineOptions
 from trainer.contract.specs import (
     AdamParams,
     Gradient,
@@ -29,7 +30,6 @@ from trainer.contract.specs import (
     SamplingParams,
     SessionSpec,
 )
-from trainer.engine.session import EngineOptions
 
 CE = LossConfig(type="cross_entropy")
 SMALL = EngineOptions(row_tokens=16, token_budget=16)  # several micro-batches per call

@@ -101,7 +101,7 @@ def test_sessions_start_from_the_checkpoint_merged_model(
     _assert_close(_worker_logprobs(second), expected)
     assert is_tied(resource.model) == (source == "full")
     # the generator starts from the same weights: a sampled sequence's logprobs are the ref's
-    with second._running(), second.policy.published() as generator:
+    with second.operation_scope(), second.policy.published() as generator:
         probs = reference_logprobs(generator, PROBES[0])
     torch.testing.assert_close(torch.tensor(probs), expected[0], atol=1e-5, rtol=0)
 

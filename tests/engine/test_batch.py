@@ -8,8 +8,8 @@ import torch
 from tests.engine.helpers import grads_of, make_resource, random_batch, sample
 from trainer.compute.batch import pack, prepare_samples
 from trainer.contract.errors import OperationError
+from trainer.contract.options import EngineOptions
 from trainer.contract.specs import LossConfig, SessionSpec
-from trainer.engine.session import EngineOptions
 
 
 def _prepare(samples, **kw):

@@ -135,7 +135,7 @@ def test_lora_exports_reload_in_peft_and_transformers(tiny_model_dir, tmp_path) 
         session.forward_backward(CE, random_batch(step, weights="ones"))
         session.optim_step(AdamParams(learning_rate=5e-2))
     tokens = [3, 17, 29, 4, 88, 61, 12]
-    with session._running(), session.policy.training(train=False):
+    with session.operation_scope(), session.policy.training(train=False):
         expected = _logprobs(session.policy.model, tokens)
     checkpoint = session.save_inference_checkpoint()
 
@@ -177,7 +177,7 @@ def test_full_export_reloads_and_resumes_from_hf_dir(tiny_model_dir, tmp_path) -
     session = resource.create_session("a", SessionSpec())
     _train(session, range(2))
     tokens = [5, 9, 33, 2, 71]
-    with session._running(), session.policy.training(train=False):
+    with session.operation_scope(), session.policy.training(train=False):
         expected = _logprobs(session.policy.model, tokens)
     trained = weights_of(session)
     checkpoint = session.save_inference_checkpoint()
@@ -210,9 +210,9 @@ def test_lora_resume_from_hf_adapter_dir(tiny_qwen_dir, tmp_path) -> None:
     full = make_resource(tiny_qwen_dir, tmp_path / "full", lora=False)
     merged_session = full.create_session("d", SessionSpec(resume_from_hf_checkpoint=str(copy)))
     tokens = [4, 8, 15, 16, 23, 42]
-    with merged_session._running():
+    with merged_session.operation_scope():
         got = _logprobs(merged_session.policy.model, tokens)
-    with session._running(), session.policy.training(train=False):
+    with session.operation_scope(), session.policy.training(train=False):
         want = _logprobs(session.policy.model, tokens)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 

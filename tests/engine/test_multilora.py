@@ -16,7 +16,7 @@ import torch
 from peft import LoraConfig as PeftLoraConfig
 
 from tests.engine.helpers import random_batch
-from trainer.compute.batch import use_packed_sdpa
+from trainer.compute.attention import use_packed_sdpa
 from trainer.compute.multilora import Segment, lora_layers, segmented
 from trainer.compute.policy import LoraPolicy
 from trainer.contract.specs import LoraConfig

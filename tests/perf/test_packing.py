@@ -42,7 +42,7 @@ def test_packed_sdpa_equals_block_mask_with_gradients(tiny_model_dir) -> None:
     mask, values and gradients, within 1e-5."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.compute.batch import PACKED_SDPA, is_varlen, use_packed_sdpa
+    from trainer.compute.attention import PACKED_SDPA, is_varlen, use_packed_sdpa
 
     samples = random_batch(6, n=6, lengths=(1, 25), mask="mask")
     prepared = prepare_samples(samples, vocab_size=128, max_seq_length=64, max_batch_size=16)
@@ -69,7 +69,7 @@ def test_packed_sdpa_equals_block_mask_with_gradients(tiny_model_dir) -> None:
 def test_packed_sdpa_leaves_padded_batches_and_generation_unchanged(tiny_model_dir) -> None:
     from transformers import AutoModelForCausalLM
 
-    from trainer.compute.batch import use_packed_sdpa
+    from trainer.compute.attention import use_packed_sdpa
 
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     packed = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.tracking import open_run, wandb_settings
+from trainer.engine.tracking import open_run, wandb_settings
 
 
 def test_no_wandb_metadata_means_no_run() -> None:

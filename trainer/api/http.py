@@ -12,6 +12,9 @@ from trainer.serving.bodies import read_json
 from trainer.serving.errors import ApiError, bad_request
 from trainer.serving.worker import Worker
 
+# a checkpoint file behind a signed URL (served by the RL face, linked from both faces)
+FILE_PATH = "/v1/rl/files/checkpoints/{checkpoint_id}/{variant}/{filename}"
+
 
 def worker_of(request: Request) -> Worker:
     worker: Worker = request.app.state.worker

@@ -21,11 +21,12 @@ process group).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from safetensors import safe_open
@@ -43,12 +44,52 @@ from trainer.checkpoint.store import (
 from trainer.compute import optim
 from trainer.compute.model import read_model_weights, save_merged
 from trainer.contract.specs import LoraConfig
-from trainer.engine.generator import Versions
 
 if TYPE_CHECKING:
     from trainer.compute.placement import Communicator
     from trainer.compute.policy import Policy
-    from trainer.engine.handle import SessionState
+    from trainer.contract.specs import ModelEntry, ResourceSpec, SessionSpec
+
+
+class _ResourceFacts(Protocol):
+    @property
+    def entry(self) -> ModelEntry: ...
+
+    @property
+    def spec(self) -> ResourceSpec: ...
+
+
+class _Counters(Protocol):
+    @property
+    def trainer_step(self) -> int: ...
+
+
+class SessionState(Protocol):
+    """What a checkpoint holds of a session, and how to read it back into one."""
+
+    spec: SessionSpec
+    policy: Policy
+    optimizer: torch.optim.Optimizer
+    rng_seed: int
+    step: int
+
+    @property
+    def resource(self) -> _ResourceFacts: ...
+
+    @property
+    def versions(self) -> _Counters: ...
+
+    @property
+    def comm(self) -> Communicator: ...
+
+    def operation_scope(self) -> contextlib.AbstractContextManager[Any]: ...
+
+    def rng_tensors(self) -> dict[str, torch.Tensor]: ...
+
+    def restore_rng(self, tensors: dict[str, torch.Tensor]) -> None: ...
+
+    def restore_counters(self, step: int, trainer_step: int) -> None: ...
+
 
 CHECKPOINT_FORMAT = 1
 SHARDED_DIR = "sharded"  # a multi-rank training checkpoint's tensors (weights + optimizer)
@@ -84,7 +125,7 @@ def write_training(session: SessionState, out: Path) -> None:
     written (row 6). Collective."""
     comm = session.comm
     out = Path(comm.broadcast_json(str(out)))
-    with session._running():
+    with session.operation_scope():
         trainable = session.policy.trainable
         weights = {n: p.detach() for n, p in trainable.items()}
         optimizer = optim.state_tensors(session.optimizer, trainable, copy=False)
@@ -150,12 +191,7 @@ def read_training(
     _read_tensors(session, path, load_optimizer, field)
     if load_optimizer:
         session.restore_rng(load_file(str(path / "rng.safetensors")))
-        session.step = state["step"]
-        session.versions = Versions(
-            trainer_step=state["trainer_step"],
-            target_weights_version=state["trainer_step"],
-            applied_weights_version=state["trainer_step"],
-        )
+        session.restore_counters(state["step"], state["trainer_step"])
 
 
 def _read_tensors(session: SessionState, path: Path, load_optimizer: bool, field: str) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from trainer.compute.attention import BOOLEAN_MASK_ATTENTION, is_varlen
 from trainer.contract.arrays import as_float32, first
 from trainer.contract.errors import invalid
 from trainer.contract.options import ROW_TOKENS, TOKEN_BUDGET
@@ -361,95 +362,3 @@ def _build(rows: list[list[PreparedSample]]) -> MicroBatch:
         targets_P=torch.cat(targets),
         row_lengths=[sum(s.length for s in row) for row in rows],
     )
-
-
-# -- varlen attention without FlashAttention ---------------------------------------------------
-
-PACKED_SDPA = "packed_sdpa"
-BOOLEAN_MASK_ATTENTION = ("sdpa", PACKED_SDPA)  # take a boolean mask; others an additive one
-
-
-def is_varlen(attn_implementation: str | None) -> bool:
-    """Whether this attention takes packed samples as one unpadded row split by position ids."""
-    return attn_implementation is not None and (
-        "flash" in attn_implementation or attn_implementation == PACKED_SDPA
-    )
-
-
-def _segments(position_ids_T: torch.Tensor) -> list[tuple[int, int]]:
-    starts = torch.nonzero(position_ids_T == 0).squeeze(-1).tolist()
-    if not starts or starts[0] != 0:
-        starts = [0, *starts]
-    ends = [*starts[1:], int(position_ids_T.shape[0])]
-    return list(zip(starts, ends))
-
-
-def packed_sdpa_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Exact varlen attention from plain SDPA: one causal `scaled_dot_product_attention` per
-    packed sample (split where `position_ids` restart), so work is Σ Tᵢ², not (Σ Tᵢ)², and no
-    mask is materialised. On CPU this is the exact fallback of FlashAttention's varlen path;
-    on CUDA SDPA picks its flash kernel for each causal, unmasked segment.
-
-    query `[B, Hq, T, D]`, key/value `[B, Hkv, T, D]` → output `[B, T, Hq, D]` (transformers'
-    attention-interface layout). With a mask, a KV cache (keys longer than queries) or no
-    position ids, it is plain SDPA, so generation is unchanged.
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    position_ids = kwargs.get("position_ids")
-    plain = attention_mask is not None or query.shape[2] != key.shape[2]  # mask, or KV cache
-    if plain or not isinstance(position_ids, torch.Tensor):
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    groups = int(getattr(module, "num_key_value_groups", 1))
-    dropout_p = dropout if module.training else 0.0
-    rows = []
-    for b in range(query.shape[0]):
-        parts = []
-        for start, end in _segments(position_ids[min(b, position_ids.shape[0] - 1)]):
-            out = torch.nn.functional.scaled_dot_product_attention(
-                query[b : b + 1, :, start:end],
-                key[b : b + 1, :, start:end],
-                value[b : b + 1, :, start:end],
-                dropout_p=dropout_p,
-                scale=scaling,
-                is_causal=True,
-                enable_gqa=groups > 1,
-            )
-            parts.append(out)
-        rows.append(torch.cat(parts, dim=2))
-    return torch.cat(rows, dim=0).transpose(1, 2).contiguous(), None
-
-
-def _packed_mask(**kwargs: Any) -> torch.Tensor | None:
-    """No mask for packed rows (the kernel splits them); SDPA's mask whenever there is a
-    padding mask to honour (batched generation)."""
-    if kwargs.get("attention_mask") is None:
-        return None
-    from transformers.masking_utils import sdpa_mask
-
-    return sdpa_mask(**kwargs)
-
-
-def use_packed_sdpa(model: torch.nn.Module) -> None:
-    """Switch a transformers model to `packed_sdpa` (registered once, process-wide)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
-    AttentionInterface.register(PACKED_SDPA, packed_sdpa_forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_SDPA, _packed_mask)
-    set_impl = getattr(model, "set_attn_implementation", None)
-    if callable(set_impl):
-        set_impl(PACKED_SDPA)
-    else:
-        model.config._attn_implementation = PACKED_SDPA  # type: ignore[union-attr]

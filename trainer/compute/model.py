@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer  # eager: see the module docstring
 
+from trainer.compute.attention import use_packed_sdpa
 from trainer.compute.turns import TurnLock
 from trainer.contract.errors import invalid
 from trainer.contract.specs import LoraConfig, ModelEntry
@@ -103,8 +104,6 @@ def load_base_model(
         )
         model.to(load_on or device)  # type: ignore[arg-type]
         if attn == "sdpa":
-            from trainer.compute.batch import use_packed_sdpa
-
             use_packed_sdpa(model)  # exact varlen attention for packed samples, else plain sdpa
         model.requires_grad_(False)
         model.eval()

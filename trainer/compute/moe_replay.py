@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer.compute.attention import is_varlen
+
 # Routers whose combine rule is "softmax over all experts, top-k, renormalised when
 # norm_topk_prob": replay reproduces exactly that rule at forced ids.
 ROUTER_CLASSES = ("Qwen3MoeTopKRouter",)
@@ -184,8 +186,6 @@ def plan(batch: Any, attn_implementation: str | None) -> tuple[torch.Tensor, tor
     The order is `MicroBatch.decoder_inputs`': padded rows `[R*L]`, or (varlen attention) the
     real tokens of the rows end to end. Each sample's routes go to its own positions
     (`segment_R_L == sample.index`), wherever it was packed."""
-    from trainer.compute.batch import is_varlen
-
     carried = [s for s in batch.samples if getattr(s, "routes", None) is not None]
     if not carried:
         return None

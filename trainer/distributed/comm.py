@@ -18,7 +18,6 @@ from trainer.contract.options import COLLECTIVE_TIMEOUT_S
 log = logging.getLogger(__name__)
 
 OP_TIMEOUT_ENV = "TRAINER_DIST_TIMEOUT_S"  # collectives inside an operation
-FAULT_ENV = "TRAINER_DIST_FAULT"  # tests only: "RANK:POINT" makes that rank exit at POINT
 DEFAULT_OP_TIMEOUT_S = COLLECTIVE_TIMEOUT_S
 IDLE_TIMEOUT = datetime.timedelta(days=30)  # ranks ≠ 0 wait this long for the next command
 
@@ -122,19 +121,3 @@ def init_distributed(op_timeout_s: float | None = None) -> Comm:
 def is_distributed_launch() -> bool:
     """True under torchrun (or any launcher that sets WORLD_SIZE > 1)."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
-def fault_point(name: str) -> None:
-    """Tests only: `TRAINER_DIST_FAULT=RANK:NAME` makes that rank die here, as a crash would;
-    `RANK:NAME:raise` makes it raise instead, as a bug would."""
-    spec = os.environ.get(FAULT_ENV, "")
-    if not spec or not dist.is_initialized():
-        return
-    rank, _, rest = spec.partition(":")
-    point, _, mode = rest.partition(":")
-    if rank != str(dist.get_rank()) or point != name:
-        return
-    log.error("fault injected at %s on rank %s", name, rank)
-    if mode == "raise":
-        raise RuntimeError(f"injected fault at {name}")
-    os._exit(17)

@@ -18,17 +18,22 @@ from pydantic import TypeAdapter
 
 from trainer.checkpoint.store import CheckpointCorrupt, CheckpointRecord, CheckpointStore
 from trainer.contract.errors import OperationError
+from trainer.contract.options import EngineOptions
 from trainer.contract.specs import ModelEntry, ResourceSpec, SessionSpec
 from trainer.distributed.batching import MERGED_OP, DistributedMerger, run_group
-from trainer.distributed.comm import Comm, fault_point
+from trainer.distributed.comm import Comm
 from trainer.distributed.follower_store import FollowerStore
 from trainer.distributed.sharding import Sharded
+from trainer.engine.faults import fault_point
 from trainer.engine.resource import ModelResource
-from trainer.engine.session import EngineOptions, TrainingSession
-from trainer.serving.operations import METHODS
+from trainer.engine.session import TrainingSession
 
 log = logging.getLogger(__name__)
 _ADAPTERS: dict[Callable[..., Any], dict[str, TypeAdapter[Any]]] = {}
+
+
+# the session methods every rank runs (the operations a client queues)
+SESSION_METHODS = frozenset(TrainingSession.OPERATIONS)
 
 
 def _adapters(method: Callable[..., Any]) -> dict[str, TypeAdapter[Any]]:
@@ -58,7 +63,7 @@ def decode_args(method: Callable[..., Any], args: dict[str, Any]) -> dict[str, A
 
 def _session_op(session: TrainingSession, op: str, args: dict[str, Any]) -> Any:
     """Every rank: the operation table's engine method `op`, called with the decoded args."""
-    if op not in METHODS:
+    if op not in SESSION_METHODS:
         raise ValueError(f"unknown session operation {op!r}")
     method = getattr(session, op)
     return method(**decode_args(method, args))
@@ -264,7 +269,7 @@ class DistributedSession:
     def __getattr__(self, name: str) -> Any:
         """The operation table's methods run on every rank; the rest (spec, active,
         training_checkpoints, ...) read rank 0's session."""
-        if name in METHODS:
+        if name in SESSION_METHODS:
             return functools.partial(self._forward, name)
         return getattr(self.local, name)
 
@@ -311,6 +316,9 @@ class DistributedResource:
         }
         local = cast(TrainingSession, self._spmd.call(command))
         return DistributedSession(self._spmd, self.id, local, self.merger)
+
+    def counters(self) -> dict[str, int]:
+        return self.local.counters()
 
     def close_session(self, session_id: str) -> None:
         command = {"op": "close_session", "resource": self.id, "session": session_id}

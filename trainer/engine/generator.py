@@ -1,7 +1,7 @@
 """A session's generator side: weights-sync, the pending publish, and sampling.
 
 `GeneratorOps` is a mixin of `TrainingSession` (`trainer/engine/session.py`), which supplies the
-resource, the policy, the versions and `_running`, the operation scope that restores the
+resource, the policy, the versions and `operation_scope`, the operation scope that restores the
 session's RNG stream, step and versions when an operation fails and runs the undo actions the
 operation registered. A pending publish (BACKGROUND_PUBLISH, PIPELINE) is applied by swapping
 the snapshot into the generator and registering the reverse swap, so a sample that fails
@@ -76,7 +76,7 @@ class GeneratorOps(abc.ABC):
         """The ranks the session runs on."""
 
     @abc.abstractmethod
-    def _running(self) -> contextlib.AbstractContextManager[Undo]:
+    def operation_scope(self) -> contextlib.AbstractContextManager[Undo]:
         """The session's operation context (lock, RNG, undo on failure)."""
 
     def weights_sync(self, sync_type: str) -> dict[str, Any]:
@@ -85,7 +85,7 @@ class GeneratorOps(abc.ABC):
         if sync_type not in SYNC_TYPES:
             raise invalid("weight_sync_type", f"must be one of {', '.join(SYNC_TYPES)}")
         self._require_generator()
-        with self._running():
+        with self.operation_scope():
             version = self.versions.trainer_step
             self.versions.target_weights_version = version
             if sync_type == "WEIGHT_SYNC_TYPE_SYNCHRONOUS":
@@ -142,7 +142,7 @@ class GeneratorOps(abc.ABC):
         return self._sample_alone(job)
 
     def _sample_alone(self, job: SampleJob) -> dict[str, Any]:
-        with self._running() as undo, self._resharding():
+        with self.operation_scope() as undo, self._resharding():
             self._apply_pending(undo)
             version = self.versions.applied_weights_version
             with (

@@ -31,9 +31,11 @@ from trainer.compute.placement import Placement, Plain
 from trainer.compute.policy import LoraPolicy, Policy, layout_like
 from trainer.contract.errors import OperationError, invalid
 from trainer.contract.optimizer import optimizer_kind
+from trainer.contract.options import EngineOptions
 from trainer.contract.specs import LoraConfig, ModelEntry, ResourceSpec, SessionSpec
 from trainer.engine.batching.pass_scheduler import MergeScheduler
-from trainer.engine.session import EngineOptions, TrainingSession
+from trainer.engine.batching.sample_batch import sample_counters
+from trainer.engine.session import TrainingSession
 
 
 class ModelResource:
@@ -289,6 +291,10 @@ class ModelResource:
         session = self.sessions.pop(session_id, None)
         if session is not None and session.active:
             session.close()
+
+    def counters(self) -> dict[str, int]:
+        """The batching counters of this resource: passes and sample batches."""
+        return {**self.scheduler.counters(), **sample_counters(self)}
 
     def close(self) -> None:
         with self.lock:

@@ -7,7 +7,7 @@ Every operation validates its input before touching any state, runs under the re
 - optim-step checks the gradient norm before AdamW touches a weight;
 - a checkpoint is listed only once complete (see `checkpoint/store.py`);
 - any operation that raises gets back the RNG state, step and versions (pending publish
-  included) it started with, and its registered undo actions run (`_running`); a sample
+  included) it started with, and its registered undo actions run (`operation_scope`); a sample
   swaps a pending publish back out of the generator that way (`engine/generator.py`).
 
 Each session has its own RNG state (LoRA dropout, sampling without a seed): it is swapped in
@@ -28,7 +28,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 
@@ -68,10 +68,10 @@ from trainer.contract.specs import (
     Sample,
     SessionSpec,
 )
-from trainer.distributed.comm import fault_point
+from trainer.engine.faults import fault_point
 from trainer.engine.generator import GeneratorOps, Undo, Versions
 from trainer.engine.moe_replay_keys import attach_routes
-from trainer.tracking import worker_run
+from trainer.engine.tracking import worker_run
 
 if TYPE_CHECKING:
     from trainer.compute.placement import Communicator
@@ -80,6 +80,18 @@ if TYPE_CHECKING:
 
 @dataclass
 class TrainingSession(GeneratorOps):
+    # the operations a client queues, by method name: the serving layer's operation table
+    # covers exactly these, and under torchrun every rank runs them (`distributed/spmd.py`)
+    OPERATIONS: ClassVar[tuple[str, ...]] = (
+        "forward_backward",
+        "custom_forward_backward",
+        "optim_step",
+        "weights_sync",
+        "sample",
+        "save_training_checkpoint",
+        "save_inference_checkpoint",
+    )
+
     resource: ResourceHandle
     id: str
     spec: SessionSpec
@@ -115,6 +127,15 @@ class TrainingSession(GeneratorOps):
     def policy_state(self) -> dict[str, Any]:
         return self.versions.as_dict()
 
+    def restore_counters(self, step: int, trainer_step: int) -> None:
+        """A resumed checkpoint's counters: the generator serves the weights it saved."""
+        self.step = step
+        self.versions = Versions(
+            trainer_step=trainer_step,
+            target_weights_version=trainer_step,
+            applied_weights_version=trainer_step,
+        )
+
     @property
     def device(self) -> torch.device:
         return self.resource.device
@@ -125,7 +146,7 @@ class TrainingSession(GeneratorOps):
         return self.resource.comm
 
     @contextlib.contextmanager
-    def _running(self) -> Iterator[Undo]:
+    def operation_scope(self) -> Iterator[Undo]:
         """Resource lock + this session's RNG state swapped in for the operation. The RNG
         state is kept only if the operation completes; if it raises, step and versions (pending
         publish included) are put back and the undo actions it registered run in reverse."""
@@ -239,7 +260,7 @@ class TrainingSession(GeneratorOps):
     ) -> dict[str, Any]:
         norm = loss_norm(prepared)
         batches = self._pack(prepared)
-        with self._running(), self.policy.training(train=not forward_only):
+        with self.operation_scope(), self.policy.training(train=not forward_only):
             stash = None if forward_only else self._stash_grads()
             try:
                 result = self._run_batches(batches, norm, fn, forward_only, return_outputs)
@@ -407,7 +428,7 @@ class TrainingSession(GeneratorOps):
         if (adam if is_muon else muon) is not None:  # the route refuses it first, as a 400
             field = "adam_params" if is_muon else "muon_params"
             raise OperationError("INVALID_INPUT", f"{field}: not the resource's optimizer", field)
-        with self._running():
+        with self.operation_scope():
             params = list(self.policy.trainable.values())
             if isinstance(self.optimizer, MuonWithAdamW):
                 metrics = muon_step(self.optimizer, params, muon or MuonParams(), self.comm)
@@ -436,7 +457,7 @@ class TrainingSession(GeneratorOps):
     def save_inference_checkpoint(self) -> CheckpointRecord:
         """LoRA: `adapter/` (PEFT) + `merged/`; full weights: `merged/`. Sharded weights are
         gathered to rank 0, which writes; the other ranks' result is never read."""
-        with self._running():
+        with self.operation_scope():
             source = self.resource.placement.full_state(self.policy.model)
         if self.comm.rank != 0:
             return layout.placeholder_record()
@@ -446,7 +467,7 @@ class TrainingSession(GeneratorOps):
             layout.write_inference(self.policy, out, self.resource.tokenizer, source)
             write_json(out / "state.json", state)
 
-        with self._running():
+        with self.operation_scope():
             record = self._store(INFERENCE, writer)
         self.inference_checkpoints.append(record)
         return record

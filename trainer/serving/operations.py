@@ -17,10 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from trainer.contract.specs import ModelEntry
+from trainer.engine.session import TrainingSession
+from trainer.serving.catalogue import ResourceRow
 from trainer.serving.checkpoint_errors import save_checkpoint
+from trainer.serving.errors import bad_request, from_pydantic
 from trainer.serving.requests import (
     CustomForwardBackwardBody,
     EmptyBody,
@@ -33,6 +36,7 @@ from trainer.serving.requests import (
     check_optimizer_params,
     check_sample,
 )
+from trainer.serving.worker import EngineCall, Worker
 
 
 def _as_is(call: Callable[[], Any]) -> dict[str, Any]:
@@ -125,5 +129,43 @@ OPERATIONS: dict[str, Operation] = {
     )
 }
 
-# the engine methods the table calls, by name (the SPMD proxy and dispatch read this)
+# the engine methods the table calls, by name: exactly the session's operations
 METHODS: dict[str, Operation] = {op.method: op for op in OPERATIONS.values()}
+assert set(METHODS) == set(TrainingSession.OPERATIONS), "the table must cover the engine's ops"
+
+
+def validated_call(
+    spec: Operation,
+    body: dict[str, Any],
+    entry: ModelEntry,
+    optimizer_config: dict[str, Any] | None = None,
+) -> EngineCall:
+    """A body checked against its model and type, turned into the call the worker queues."""
+    try:
+        parsed = spec.body.model_validate(body)
+    except ValidationError as exc:
+        raise from_pydantic(exc) from None
+    if spec.check is not None:
+        spec.check(parsed, entry)
+    if spec.check_optimizer is not None:
+        spec.check_optimizer(parsed, optimizer_config or {"adam": {}})
+    return spec.call(parsed)
+
+
+def prepare_call(
+    worker: Worker, session_id: str, spec: Operation, body: dict[str, Any]
+) -> EngineCall:
+    """Merge an uploaded payload, validate, check limits (blocking: runs in a thread)."""
+    payload_id = body.get("payload_id")
+    if payload_id is not None:
+        if not isinstance(payload_id, str):
+            raise bad_request("payload_id: must be a string", "payload_id")
+        full = {k: v for k, v in body.items() if k != "payload_id"}
+        full.update(worker.payloads.read_json(session_id, payload_id))
+        body = full
+    resource = worker.store.get(ResourceRow, worker.session(session_id).resource_id)
+    entry = worker.config.model(resource.spec["base_model"]) if resource is not None else None
+    if entry is None:
+        raise bad_request("the session's base model is no longer served", "session_id")
+    config = resource.spec.get("optimizer_config") if resource is not None else None
+    return validated_call(spec, body, entry, config)

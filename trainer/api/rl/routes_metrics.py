@@ -16,7 +16,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from trainer.api.http import worker_of
-from trainer.engine.batching.sample_batch import sample_counters
 
 router = APIRouter()
 
@@ -30,12 +29,8 @@ async def worker_metrics(request: Request) -> dict[str, Any]:
         live = list(resources.live.values())
     per_resource: dict[str, dict[str, int]] = {}
     for resource in live:
-        scheduler = getattr(resource.engine, "scheduler", None)
-        if scheduler is not None:
-            per_resource[resource.id] = {
-                **scheduler.counters(),
-                **sample_counters(resource.engine),
-            }
+        if resource.engine is not None:
+            per_resource[resource.id] = resource.engine.counters()
     totals: dict[str, Any] = {key: sum(c[key] for c in per_resource.values()) for key in SUMMED}
     totals["max_sessions_per_pass"] = max(
         (c["max_sessions_per_pass"] for c in per_resource.values()), default=0

@@ -18,53 +18,19 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
-from pydantic import ValidationError
 
 from trainer.api.http import json_object, worker_of
 from trainer.api.openapi import json_body
-from trainer.contract.specs import ModelEntry
 from trainer.serving.bodies import body_hash
-from trainer.serving.catalogue import OperationRow, ResourceRow
-from trainer.serving.errors import ApiError, bad_request, from_pydantic
-from trainer.serving.operations import OPERATIONS, Operation
+from trainer.serving.catalogue import OperationRow
+from trainer.serving.errors import ApiError, bad_request
+from trainer.serving.operations import OPERATIONS, Operation, prepare_call
 from trainer.serving.requests import EmptyBody
 from trainer.serving.responses import operation_json
-from trainer.serving.worker import EngineCall, Worker
+from trainer.serving.worker import Worker
 
 router = APIRouter()
 MAX_KEY_LENGTH = 256
-
-
-def _entry(worker: Worker, session_id: str) -> ModelEntry:
-    resource = worker.store.get(ResourceRow, worker.session(session_id).resource_id)
-    entry = worker.config.model(resource.spec["base_model"]) if resource is not None else None
-    if entry is None:
-        raise bad_request("the session's base model is no longer served", "session_id")
-    return entry
-
-
-def prepare_call(
-    worker: Worker, session_id: str, spec: Operation, body: dict[str, Any]
-) -> EngineCall:
-    """Merge an uploaded payload, validate, check limits (blocking: runs in a thread)."""
-    payload_id = body.get("payload_id")
-    if payload_id is not None:
-        if not isinstance(payload_id, str):
-            raise bad_request("payload_id: must be a string", "payload_id")
-        full = {k: v for k, v in body.items() if k != "payload_id"}
-        full.update(worker.payloads.read_json(session_id, payload_id))
-        body = full
-    try:
-        parsed = spec.body.model_validate(body)
-    except ValidationError as exc:
-        raise from_pydantic(exc) from None
-    if spec.check is not None:
-        spec.check(parsed, _entry(worker, session_id))
-    if spec.check_optimizer is not None:
-        resource = worker.store.get(ResourceRow, worker.session(session_id).resource_id)
-        config = resource.spec.get("optimizer_config") if resource is not None else None
-        spec.check_optimizer(parsed, config or {"adam": {}})
-    return spec.call(parsed)
 
 
 IDEMPOTENCY_HEADER = {

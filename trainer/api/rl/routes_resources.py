@@ -12,6 +12,7 @@ from fastapi.responses import FileResponse
 from pydantic import ValidationError
 
 from trainer.api.http import (
+    FILE_PATH,
     base_url,
     parse_limit,
     parse_statuses,
@@ -56,7 +57,6 @@ _RESOURCE_STATUSES = (
     "MODEL_RESOURCES_STATUS_STOPPED",
     "MODEL_RESOURCES_STATUS_STOPPING",
 )
-FILE_PATH = "/v1/rl/files/checkpoints/{checkpoint_id}/{variant}/{filename}"
 
 
 @router.get("/rl/supported-models")

@@ -1,2 +1,5 @@
-"""The worker's Tinker face: the Tinker REST API under `/api/v1`, so the `tinker` SDK and
-tinker-cookbook run unchanged, over the same engine as the Together API."""
+"""The Tinker API under `/api/v1`, so the `tinker` SDK and tinker-cookbook run unchanged, over
+the same worker as the RL face.
+
+It imports `trainer.serving` and the shared HTTP helpers of `trainer.api`; never `api.rl`.
+"""

@@ -21,7 +21,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from trainer.api.rl.routes_ops import prepare_call
 from trainer.api.tinker.records import (
     DONE,
     FAILED,
@@ -40,7 +39,7 @@ from trainer.serving.catalogue import (
     SES_RUNNING,
 )
 from trainer.serving.errors import ApiError, bad_request
-from trainer.serving.operations import OPERATIONS
+from trainer.serving.operations import OPERATIONS, prepare_call
 from trainer.serving.requests import CreateSessionBody
 from trainer.serving.worker import EngineCall, Worker
 

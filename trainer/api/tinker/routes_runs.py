@@ -14,8 +14,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 
-from trainer.api.http import base_url
-from trainer.api.rl.routes_resources import FILE_PATH
+from trainer.api.http import FILE_PATH, base_url
 from trainer.api.tinker import paths
 from trainer.api.tinker.bridge import TinkerBridge
 from trainer.api.tinker.records import TinkerCheckpoint, TinkerModel, TinkerSampler, TinkerSession

@@ -33,7 +33,7 @@ from trainer.api.tinker.routes import (
 )
 from trainer.serving.catalogue import SES_RUNNING, SessionRow
 from trainer.serving.errors import ApiError, bad_request, not_found
-from trainer.serving.operations import OPERATIONS
+from trainer.serving.operations import OPERATIONS, validated_call
 from trainer.serving.worker import EngineCall
 
 router = APIRouter()
@@ -164,22 +164,10 @@ async def get_sampler(request: Request, sampler_id: str) -> dict[str, Any]:
 
 
 def _prepare_sample(bridge: TinkerBridge, base_model: str, body: dict[str, Any]) -> EngineCall:
-    from pydantic import ValidationError
-
-    from trainer.serving.errors import from_pydantic
-
-    spec = OPERATIONS["sample"]
     try:
-        parsed = spec.body.model_validate(body)
-    except ValidationError as exc:
-        raise tinker_named("sample", from_pydantic(exc)) from None
-    entry = bridge.entry(base_model)
-    if spec.check is not None:
-        try:
-            spec.check(parsed, entry)
-        except ApiError as exc:
-            raise tinker_named("sample", exc) from None
-    return spec.call(parsed)
+        return validated_call(OPERATIONS["sample"], body, bridge.entry(base_model))
+    except ApiError as exc:
+        raise tinker_named("sample", exc) from None
 
 
 @router.post("/asample")

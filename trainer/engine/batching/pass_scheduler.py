@@ -31,7 +31,8 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from trainer.compute.batch import LossNorm, PreparedSample, is_varlen, loss_norm
+from trainer.compute.attention import is_varlen
+from trainer.compute.batch import LossNorm, PreparedSample, loss_norm
 from trainer.compute.placement import Plain
 from trainer.engine.batching.combine import Combiner, one_per_session
 from trainer.engine.batching.train_pass import LossFn, WorkItem, run_merged

@@ -25,7 +25,7 @@ sample; the sampled logprobs may differ from it in the last bits (measured up to
 fp32) when the batch pads a job's rows and the solo call did not (another attention kernel
 path), which could in principle change a token drawn right at a probability boundary.
 
-Per session, as `_running` would: a pending publish is applied (and swapped back if the batch
+Per session, as `operation_scope` would: a pending publish is applied (and swapped back if the batch
 fails), the session's RNG state moves on only when the batch succeeds; a failure of the batch
 fails every job in it and leaves each session as it was. A stopped session's job fails alone.
 
@@ -228,7 +228,7 @@ class SampleBatcher:
 
 
 def _begin(job: SampleJob) -> None:
-    """What the session's `_running` + solo sample do before generating: apply a pending
+    """What the session's `operation_scope` + solo sample do before generating: apply a pending
     publish (undoable), and seed the job's token generator as `sampler.generate` would, from
     the session's RNG stream when no seed is given (kept aside until the batch succeeds)."""
     session = job.session

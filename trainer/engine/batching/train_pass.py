@@ -43,15 +43,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainer.compute import optim
-from trainer.compute.batch import (
-    LossNorm,
-    MicroBatch,
-    PreparedSample,
-    _build,
-    is_varlen,
-    pack,
-    pack_rows,
-)
+from trainer.compute.attention import is_varlen
+from trainer.compute.batch import LossNorm, MicroBatch, PreparedSample, _build, pack, pack_rows
 from trainer.compute.logprobs import token_logprobs
 from trainer.compute.losses import LossInputs, LossOutputs
 from trainer.compute.rounds import (
@@ -371,7 +364,7 @@ def _finish(live: list[WorkItem]) -> None:
         if item.failure is not None:
             item.fail(OperationError(*item.failure))
             continue
-        if item.rng is not None:  # kept only when the call completes, as `_running` does
+        if item.rng is not None:  # kept only when the call completes, as `operation_scope` does
             item.session._cpu_rng = item.rng.get_state()
         total, sums, outputs = merge_reports(item.reports)
         item.result = call_result(total, sums, outputs if item.return_outputs else None, item.norm)
