@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.compute import moe_replay, sampler
+from trainer.compute import sampler
 from trainer.compute.policy import cuda_devices
 from trainer.compute.turns import TurnLock
 from trainer.contract.errors import invalid
@@ -145,25 +145,14 @@ class GeneratorOps(abc.ABC):
         with self.operation_scope() as undo, self._resharding():
             self._apply_pending(undo)
             version = self.versions.applied_weights_version
-            with (
-                self.policy.published() as model,
-                moe_replay.recording(model, job.rows, job.return_routed_experts) as recorder,
-            ):
-                groups = sampler.generate(
+            with self.policy.published() as model:
+                (groups,) = sampler.generate(
                     model,
-                    job.prompts,
-                    num_samples=job.num_samples,
-                    params=job.params,
-                    eos_ids=job.eos_ids,
-                    stop_hit=job.stop_hit,
-                    seed=job.params.seed,
+                    [job.decode_job(sampler.draw_seed(job.params.seed))],
                     forward=self._model_forward(model),
                     agree=self._agree_tokens,
-                    give_turn=moe_replay.pausing(recorder, self._turn_giver()),
-                    turn_steps=self.options.decode_steps_per_turn,
+                    turns=self._turns(),
                 )
-                if recorder is not None:  # MoE routes (rule 12)
-                    moe_replay.assign(recorder, [job.prompts], [groups], [True])
                 return self._sample_results(job, groups, version, model)
 
     def _sample_results(
@@ -203,8 +192,8 @@ class GeneratorOps(abc.ABC):
             results.append(result)
         return {"results": results}
 
-    def _turn_giver(self) -> Callable[[], None] | None:
-        """What generation calls every `decode_steps_per_turn` steps: if operations wait for
+    def _turns(self) -> sampler.Turns:
+        """What generation does every `decode_steps_per_turn` steps: if operations wait for
         the compute lock (`trainer/compute/turns.py`), they run now and the sample resumes after
         them.
 
@@ -218,15 +207,12 @@ class GeneratorOps(abc.ABC):
         (weights-sync, a pending publish, resume), and those wait behind this sample in the
         session's FIFO (`SessionQueue`); a session is closed only from that queue too. So the
         sequence comes from one weights version: `policy_segments` stays one segment.
-        Off (None) under torchrun: every rank must run the same operations in the same order,
+        Never under torchrun: every rank must run the same operations in the same order,
         and the command stream (`distributed/spmd.py`) runs one at a time anyway."""
         lock = self.resource.lock
-        if (
-            not isinstance(lock, TurnLock)
-            or self.options.decode_steps_per_turn <= 0
-            or self.comm.world_size > 1
-        ):
-            return None
+        steps = self.options.decode_steps_per_turn
+        if not isinstance(lock, TurnLock) or steps <= 0 or self.comm.world_size > 1:
+            return sampler.Turns()
         devices = cuda_devices()
 
         def give_turn() -> None:
@@ -240,7 +226,7 @@ class GeneratorOps(abc.ABC):
             with self.policy.published():
                 pass  # activates the published weights again, in eval mode
 
-        return give_turn
+        return sampler.Turns(steps, give_turn)
 
     def _model_forward(self, model: torch.nn.Module) -> Callable[..., Any]:
         """How generation calls the model: through the placement (the FSDP root, sharded)."""
