@@ -5,7 +5,7 @@ session thread with a validated sample call hands a `SampleJob` to its resource'
 `SampleBatcher` and blocks until the job is done. The first waiting thread becomes the
 combiner: it waits `[engine] merge_window_ms` for other sessions' samples, then takes the
 pending jobs (one per session, up to the model's `max_batch_size` rows in all) and runs them:
-one job alone by the solo path (`GeneratorOps._sample_alone`), several under the
+one job alone by the solo path (`trainer.engine.generator.sample_alone`), several under the
 resource lock as one generation of the decode loop (`trainer/compute/sampler.py`), a
 `DecodeJob` per sample. Once it has taken its jobs it stops collecting, so jobs that arrive
 during a long generation form the next batch (the two generations take turns on the lock,
@@ -37,37 +37,48 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
+from torch import nn
 
 from trainer.compute import sampler
 from trainer.compute.placement import Plain
+from trainer.compute.policy import LoraPolicy, Policy
 from trainer.compute.turns import TurnLock
 from trainer.contract.errors import OperationError
-from trainer.contract.specs import SamplingParams
 from trainer.engine.batching.combine import Combiner, one_per_session
+from trainer.engine.generator import (
+    PromptSamples,
+    SampleCall,
+    SamplingSession,
+    Undo,
+    Versions,
+    answer,
+    apply_pending,
+    sample_alone,
+)
 
-# A sample's session is a `trainer.engine.generator.GeneratorOps` (which imports this module,
-# so it is not named here, even for type checking: `tests/test_imports.py` keeps no cycles).
-GeneratorOps = Any
+
+class BatchGenerator(Protocol):
+    """What a batch uses of a job's generator (`trainer/engine/in_process.py`)."""
+
+    policy: Policy
+
+    def prompt_samples(
+        self, call: SampleCall, groups: list[list[sampler.Sequence]], model: nn.Module
+    ) -> list[PromptSamples]:
+        """Each prompt's sequences and, when asked, its prompt logprobs on `model`."""
 
 
 @dataclass
 class SampleJob:
     """One validated sample call of one session, then its outcome."""
 
-    session: GeneratorOps
-    prompts: list[list[int]]
-    num_samples: int
-    params: SamplingParams
-    eos_ids: set[int]
-    stop_hit: Callable[[list[int]], bool] | None
-    prompt_logprobs: bool
-    topk_prompt_logprobs: int
-    return_routed_experts: bool = False
+    session: SamplingSession
+    call: SampleCall
+    generator: BatchGenerator
     result: dict[str, Any] | None = None
     error: BaseException | None = None
     taken: bool = False
@@ -75,32 +86,24 @@ class SampleJob:
     # set while the batch runs
     seed: int = 0
     rng_after: torch.Tensor | None = None
-    undo: list[Callable[[], None]] = field(default_factory=list)
-    saved_versions: Any = None
+    undo: Undo = field(default_factory=list)
+    saved_versions: Versions | None = None
 
     @property
     def rows(self) -> int:
-        return len(self.prompts) * self.num_samples
+        return self.call.rows
 
-    def decode_job(self, seed: int, adapter: str | None = None) -> sampler.DecodeJob:
-        """The call's rows in a generation (`trainer/compute/sampler.py`)."""
-        return sampler.DecodeJob(
-            prompts=self.prompts,
-            num_samples=self.num_samples,
-            params=self.params,
-            eos_ids=self.eos_ids,
-            seed=seed,
-            stop_hit=self.stop_hit,
-            adapter=adapter,
-            record_routes=self.return_routed_experts,
-        )
+    @property
+    def lora(self) -> LoraPolicy:
+        """The session's policy: a LoRA one (`batcher_for`)."""
+        return cast(LoraPolicy, self.generator.policy)
 
 
 _BATCHERS: weakref.WeakKeyDictionary[Any, SampleBatcher] = weakref.WeakKeyDictionary()
 _BATCHERS_LOCK = threading.Lock()
 
 
-def batcher_for(session: GeneratorOps) -> SampleBatcher | None:
+def batcher_for(session: SamplingSession) -> SampleBatcher | None:
     """The resource's batcher when this session's samples may be batched, else None."""
     resource = session.resource
     options = session.options
@@ -175,9 +178,9 @@ class SampleBatcher:
 
     @staticmethod
     def _alone(job: SampleJob) -> None:
-        """Today's solo path (it takes the lock itself, so its sample yields its turns)."""
+        """The solo path (it takes the lock itself, so its sample yields its turns)."""
         try:
-            job.result = job.session._sample_alone(job)
+            job.result = sample_alone(job.session, job.call)
         except BaseException as exc:
             job.error = exc
 
@@ -188,12 +191,7 @@ class SampleBatcher:
                 started.append(job)
                 _begin(job)
             groups = _generate(jobs, self._turns(jobs[0]))
-            results = []
-            for job, group in zip(jobs, groups, strict=True):
-                session = job.session
-                version = session.versions.applied_weights_version
-                with session.policy.published() as model:  # prompt logprobs: its adapter alone
-                    results.append(session._sample_results(job, group, version, model))
+            results = [_answer(job, group) for job, group in zip(jobs, groups, strict=True)]
         except BaseException as exc:
             for job in reversed(started):
                 _roll_back(job)
@@ -210,11 +208,11 @@ class SampleBatcher:
         """Between decode steps (with the jobs' adapters off the model): let waiting
         operations run, then eval mode again. Each job's published adapter cannot change
         meanwhile (the module docstring)."""
-        steps = job.session.options.decode_steps_per_turn
+        steps = job.call.steps_per_turn
         lock = self.resource.lock
         if steps <= 0:
             return sampler.Turns()
-        peft = job.session.policy.peft
+        peft = job.lora.peft
 
         def give_turn() -> None:
             if lock.yield_turn():
@@ -225,14 +223,14 @@ class SampleBatcher:
 
 def _begin(job: SampleJob) -> None:
     """What the session's `operation_scope` + solo sample do before generating: apply a pending
-    publish (undoable), and seed the job's token generator as the solo sample does, from
-    the session's RNG stream when no seed is given (kept aside until the batch succeeds)."""
+    publish (undoable), and seed the job's token generator as `sample_alone` would, from the
+    session's RNG stream when no seed is given (kept aside until the batch succeeds)."""
     session = job.session
     job.saved_versions = replace(session.versions)
-    session._apply_pending(job.undo)
+    apply_pending(session, job.undo)
     rng = torch.Generator()
     rng.set_state(session._cpu_rng)
-    job.seed = sampler.draw_seed(job.params.seed, rng)
+    job.seed = sampler.draw_seed(job.call.params.seed, rng)
     job.rng_after = rng.get_state()
 
 
@@ -248,7 +246,15 @@ def _roll_back(job: SampleJob) -> None:
 def _generate(jobs: list[SampleJob], turns: sampler.Turns) -> list[list[list[sampler.Sequence]]]:
     """Each job's sequences grouped by prompt, from one generation in which each job's rows
     use its session's published adapter."""
-    policy = jobs[0].session.policy
+    policy = jobs[0].lora
     policy.peft.eval()
-    decode = [job.decode_job(job.seed, adapter=job.session.policy.pub_name) for job in jobs]
+    decode = [job.call.decode_job(job.seed, adapter=job.lora.pub_name) for job in jobs]
     return sampler.generate(policy.model, decode, turns=turns)
+
+
+def _answer(job: SampleJob, groups: list[list[sampler.Sequence]]) -> dict[str, Any]:
+    """The job's result, its prompt logprobs computed with its own adapter alone."""
+    version = job.session.versions.applied_weights_version
+    with job.generator.policy.published() as model:
+        samples = job.generator.prompt_samples(job.call, groups, model)
+    return answer(job.session, job.call, samples, version)
