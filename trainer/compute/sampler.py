@@ -1,4 +1,13 @@
-"""Generation on the published weights: batched, left-padded, with a KV cache.
+"""Generation on the published weights: one decode loop, left-padded rows, one KV cache.
+
+A generation runs `DecodeJob`s, one per call: each is its prompts' rows (`num_samples` per
+prompt) with its own sampling params, stop rules and token generator (seeded by `seed`), and
+the weights its rows compute with (`adapter`: a LoRA adapter of the model, applied to its rows
+alone through `trainer.compute.multilora.segmented`; None: the model's active weights). One
+session's sample is a generation of one job; concurrent samples of several LoRA sessions are
+one generation of several (`trainer/engine/batching/sample_batch.py`). Every decode step feeds
+every row its chosen token, and each job draws for its own rows only, from its own generator,
+so a job draws the tokens it would draw alone.
 
 Sampled-token logprobs are the model's own (temperature 1, before top-k/top-p), so at the same
 weights they equal what forward-backward computes for the same tokens: the importance ratio of
@@ -7,18 +16,27 @@ an on-policy sample is 1. `temperature`, `top_k` and `top_p` shape only the choi
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
+from trainer.compute import moe_replay
+from trainer.compute.multilora import Segment, segmented
 from trainer.contract.specs import SamplingParams
 
 STOP_LENGTH = "STOP_REASON_LENGTH"
 STOP_STOP = "STOP_REASON_STOP"
+
+StopCheck = Callable[[list[int]], bool]
+"""Whether a row's tokens so far end in a stop (a stop string)."""
+
+Forward = Callable[..., Any]
+"""A call of the model with keyword inputs (`input_ids`, `attention_mask`, ...)."""
 
 
 @dataclass
@@ -29,6 +47,49 @@ class Sequence:
     routes: torch.Tensor | None = (
         None  # MoE expert ids when recorded (`trainer/compute/moe_replay.py`)
     )
+
+
+@dataclass
+class DecodeJob:
+    """One call's rows of a generation, prompt by prompt, `num_samples` rows each. A row stops
+    at a token of `eos_ids`, when `stop_hit` says so, or after `params.max_tokens` tokens.
+    `record_routes`: each sequence gets the MoE experts its positions were routed to."""
+
+    prompts: list[list[int]]
+    num_samples: int
+    params: SamplingParams
+    eos_ids: set[int]
+    seed: int
+    stop_hit: StopCheck | None = None
+    adapter: str | None = None
+    record_routes: bool = False
+
+    @property
+    def rows(self) -> int:
+        return len(self.prompts) * self.num_samples
+
+
+@dataclass(frozen=True)
+class Turns:
+    """`give()` after every `every` decode steps (0 or no `give`: never): it may let other
+    operations run and must hand the model back as it was (`trainer/engine/in_process.py`). The
+    KV cache, the last logits and the token generators are the generation's own, so the tokens
+    and logprobs are the same whether or not it is called."""
+
+    every: int = 0
+    give: Callable[[], None] | None = None
+
+    def due(self, step: int) -> bool:
+        """Whether the turn is given before decode step `step` (never before the first)."""
+        return self.every > 0 and step > 0 and step % self.every == 0
+
+
+def draw_seed(seed: int | None, rng: torch.Generator | None = None) -> int:
+    """`seed`, or a seed drawn from `rng` (None: the global RNG, a session's own stream while
+    its operation runs)."""
+    if seed is not None:
+        return int(seed)
+    return int(torch.randint(0, 2**62, (), generator=rng).item())
 
 
 def _choose(
@@ -71,7 +132,7 @@ def left_padded(
 
 
 def decode_step(
-    call: Callable[..., Any],
+    call: Forward,
     chosen: torch.Tensor,
     attention: torch.Tensor,
     next_pos: torch.Tensor,
@@ -90,78 +151,169 @@ def decode_step(
     return out, attention, next_pos + 1
 
 
+class _Draws:
+    """One job's rows `[start, end)` of the batch while it generates: its token generator, its
+    sequences and which of them have stopped."""
+
+    def __init__(self, job: DecodeJob, start: int) -> None:
+        self.job = job
+        self.start, self.end = start, start + job.rows
+        self.generator = torch.Generator().manual_seed(job.seed)
+        self.sequences = [Sequence() for _ in range(job.rows)]
+        self.done = [False] * job.rows
+        self.finished = False
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        return _choose(logits[self.start : self.end], self.job.params, self.generator)
+
+    def take(self, logits: torch.Tensor, chosen: torch.Tensor, step: int) -> None:
+        """Each running row's token and its logprob; the job is finished once every row has
+        stopped or the step was its last."""
+        picked = chosen[self.start : self.end]
+        logprobs = torch.log_softmax(logits[self.start : self.end], dim=-1)
+        picked_lp = logprobs.gather(-1, picked[:, None]).squeeze(-1).cpu().tolist()
+        job = self.job
+        for r, (token, logprob) in enumerate(zip(picked.tolist(), picked_lp, strict=True)):
+            if self.done[r]:
+                continue
+            seq = self.sequences[r]
+            seq.tokens.append(token)
+            seq.logprobs.append(logprob)
+            if token in job.eos_ids or (job.stop_hit is not None and job.stop_hit(seq.tokens)):
+                seq.stop_reason = STOP_STOP
+                self.done[r] = True
+        self.finished = all(self.done) or step + 1 >= job.params.max_tokens
+
+    def grouped(self) -> list[list[Sequence]]:
+        n = self.job.num_samples
+        return [self.sequences[i * n : (i + 1) * n] for i in range(len(self.job.prompts))]
+
+
+class _Calls:
+    """The generation's model calls. With per-job adapters, every LoRA layer applies each job's
+    adapter to its rows' positions (the head, which sees one position per row, a segment per
+    row; a job's adapter that the head lacks: the head's base weights). Those forwards are
+    installed for a call's positions per row and stay on the model between calls, until `off`."""
+
+    def __init__(self, model: nn.Module, call: Forward, draws: list[_Draws]) -> None:
+        self.model, self.call = model, call
+        self.spans = [(d.job.adapter, d.start, d.end) for d in draws]
+        self.head: nn.Module | None = None  # set when the jobs bring adapters
+        self.head_adapters: set[str] = set()
+        if any(adapter is not None for adapter, _, _ in self.spans):
+            self.head = cast(Callable[[], nn.Module], model.get_output_embeddings)()
+            self.head_adapters = set(getattr(self.head, "lora_A", {}))
+        self.installed = contextlib.ExitStack()
+        self.length = 0  # positions per row of the installed forwards (0: none installed)
+
+    def __call__(self, **inputs: Any) -> Any:
+        length = inputs["input_ids"].shape[1]
+        if self.head is not None and length != self.length:
+            self._install(self.head, length)
+        return self.call(**inputs)
+
+    def _install(self, head: nn.Module, length: int) -> None:
+        self.off()
+        body = [Segment(a, s * length, e * length) for a, s, e in self.spans]
+        last = [Segment(a if a in self.head_adapters else None, s, e) for a, s, e in self.spans]
+        self.installed.enter_context(segmented(self.model, body))
+        self.installed.enter_context(segmented(head, last))
+        self.length = length
+
+    def off(self) -> None:
+        """The model's own forwards again (while other operations use it, and at the end)."""
+        self.installed.close()
+        self.length = 0
+
+
 def generate(
     model: nn.Module,
-    prompts: list[list[int]],
+    jobs: list[DecodeJob],
     *,
-    num_samples: int,
-    params: SamplingParams,
-    eos_ids: set[int],
-    stop_hit: Callable[[list[int]], bool] | None = None,
-    seed: int | None = None,
-    forward: Callable[..., Any] | None = None,
+    forward: Forward | None = None,
     agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    give_turn: Callable[[], None] | None = None,
-    turn_steps: int = 0,
-) -> list[list[Sequence]]:
-    """`num_samples` completions for each prompt; returns sequences grouped by prompt.
+    turns: Turns | None = None,
+) -> list[list[list[Sequence]]]:
+    """Each job's sequences grouped by prompt, from one generation of all the jobs' rows.
 
     `forward(**kwargs)` runs the model (default: `model` itself; a sharded model is called
-    through its FSDP root). `agree(chosen_S)` returns the tokens to continue with: under
+    through its FSDP root). `agree(chosen)` returns the tokens to continue with: under
     torch.distributed, rank 0's choice broadcast to every rank, so all stay in lockstep.
-    `give_turn()` is called after every `turn_steps` decode steps (0: never): it may let
-    other operations run and must hand the model back as it was (`engine/generator.py`).
-    The KV cache, the last logits and the token generator are this call's own, so the tokens
-    and logprobs are the same whether or not it is called.
-    """
+    `turns`: when to let other operations run (`Turns`); the per-job adapters are off the
+    model meanwhile, and the MoE recording paused. It runs in the caller's grad mode."""
+    turns = turns or Turns()
+    rows = sum(job.rows for job in jobs)
+    wanted = any(job.record_routes for job in jobs)
+    with moe_replay.recording(model, rows, wanted) as recorder:  # MoE routing replay
+        give = moe_replay.pausing(recorder, turns.give)
+        groups = _generate(model, jobs, forward or model, agree, Turns(turns.every, give))
+        if recorder is not None:
+            wants = [job.record_routes for job in jobs]
+            moe_replay.assign(recorder, [job.prompts for job in jobs], groups, wants)
+    return groups
+
+
+def _generate(
+    model: nn.Module,
+    jobs: list[DecodeJob],
+    call: Forward,
+    agree: Callable[[torch.Tensor], torch.Tensor] | None,
+    turns: Turns,
+) -> list[list[list[Sequence]]]:
     from transformers import DynamicCache
 
-    call = model if forward is None else forward
-
-    device = next(model.parameters()).device
-    rows = [prompt for prompt in prompts for _ in range(num_samples)]
-    input_ids, attention, positions = left_padded(rows, device)
-    generator = torch.Generator()
-    generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    draws: list[_Draws] = []
+    for job in jobs:
+        draws.append(_Draws(job, draws[-1].end if draws else 0))
+    rows = [prompt for job in jobs for prompt in job.prompts for _ in range(job.num_samples)]
+    input_ids, attention, positions = left_padded(rows, next(model.parameters()).device)
     cache_kw = {_cache_kwarg(model): DynamicCache()}
-    out = call(
-        input_ids=input_ids,
-        attention_mask=attention,
-        position_ids=positions,
-        use_cache=True,
-        logits_to_keep=1,
-        **cache_kw,
-    )
-    sequences = [Sequence() for _ in rows]
-    done = torch.zeros(len(rows), dtype=torch.bool)
-    next_pos = positions[:, -1:] + 1
-    for step in range(params.max_tokens):
-        if give_turn is not None and turn_steps > 0 and step > 0 and step % turn_steps == 0:
-            give_turn()
-        logits = out.logits[:, -1, :].float()
-        logprobs = torch.log_softmax(logits, dim=-1)
-        chosen = _choose(logits, params, generator)
-        if agree is not None:
-            chosen = agree(chosen)
-        chosen_lp = logprobs.gather(-1, chosen[:, None]).squeeze(-1).cpu()
-        for r, seq in enumerate(sequences):
-            if done[r]:
-                continue
-            token = int(chosen[r])
-            seq.tokens.append(token)
-            seq.logprobs.append(float(chosen_lp[r]))
-            if token in eos_ids or (stop_hit is not None and stop_hit(seq.tokens)):
-                seq.stop_reason = STOP_STOP
-                done[r] = True
-        if bool(done.all()) or len(sequences[0].tokens) >= params.max_tokens:
-            break
-        out, attention, next_pos = decode_step(call, chosen, attention, next_pos, cache_kw)
-    return [sequences[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
+    calls = _Calls(model, call, draws)
+    try:
+        out = calls(
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **cache_kw,
+        )
+        next_pos = positions[:, -1:] + 1
+        for step in range(max(job.params.max_tokens for job in jobs)):
+            if turns.give is not None and turns.due(step):
+                calls.off()  # the model's own forwards while other operations use it
+                turns.give()
+            chosen = _step(out.logits[:, -1, :].float(), draws, agree, step)
+            if all(d.finished for d in draws):
+                break
+            out, attention, next_pos = decode_step(calls, chosen, attention, next_pos, cache_kw)
+    finally:
+        calls.off()
+    return [d.grouped() for d in draws]
+
+
+def _step(
+    logits: torch.Tensor,
+    draws: list[_Draws],
+    agree: Callable[[torch.Tensor], torch.Tensor] | None,
+    step: int,
+) -> torch.Tensor:
+    """Every running job's tokens (agreed on), appended to its rows; the tokens every row is
+    fed next (a finished job's rows: 0)."""
+    running = [d for d in draws if not d.finished]
+    chosen = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+    for d in running:
+        chosen[d.start : d.end] = d.choose(logits)
+    if agree is not None:
+        chosen = agree(chosen)
+    for d in running:
+        d.take(logits, chosen, step)
+    return chosen
 
 
 @torch.no_grad()
 def prompt_logprobs(
-    model: nn.Module, prompt: list[int], topk: int, forward: Callable[..., Any] | None = None
+    model: nn.Module, prompt: list[int], topk: int, forward: Forward | None = None
 ) -> tuple[list[float], list[dict[str, list]]]:
     """Teacher-forced logprobs of each prompt token (entry 0 is a 0.0 placeholder), and the
     top-k alternatives per position (entry 0 empty)."""

@@ -1,29 +1,37 @@
-"""A session's generator side: weights-sync, the pending publish, and sampling.
+"""A session's generator: what serves its samples, and the weights-sync and sample operations.
 
-`GeneratorOps` is a mixin of `TrainingSession` (`trainer/engine/session.py`), which supplies the
-resource, the policy, the versions and `operation_scope`, the operation scope that restores the
-session's RNG stream, step and versions when an operation fails and runs the undo actions the
-operation registered. A pending publish (BACKGROUND_PUBLISH, PIPELINE) is applied by swapping
-the snapshot into the generator and registering the reverse swap, so a sample that fails
-leaves the generator, `applied_weights_version` and `pending_publish` as they were.
+`Generator` is the interface: it publishes the session's trainable weights (at once, or as a
+snapshot taken at weights-sync and served later), generates a validated call's tokens and
+logprobs (its prompt logprobs too), and validates sample calls against the model. The
+in-process one runs on the resource's model (`trainer/engine/in_process.py`, where
+`generator_for` picks a session's). The session holds its generator (`TrainingSession.generator`)
+and its operations run through it here, with the same versions for any generator:
+
+- weights-sync (`sync_weights`): `target_weights_version` becomes `trainer_step`. SYNCHRONOUS
+  publishes at once (`applied_weights_version` too); BACKGROUND_PUBLISH and PIPELINE queue a
+  snapshot (`pending_publish`) that the next sample serves before generating.
+- sample (`sample_alone`), in the session's `operation_scope`, which restores the session's RNG
+  stream, step and versions when the operation fails and runs the undo actions it registered:
+  a pending publish is served and the reverse registered, so a sample that fails leaves the
+  generator, `applied_weights_version` and `pending_publish` as they were. The sequences come
+  from one weights version: `policy_segments` is one segment. A generator may run concurrent
+  samples of several sessions together (`Generator.sample`), each session's state kept as
+  here.
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from trainer.compute import moe_replay, sampler
-from trainer.compute.policy import cuda_devices
-from trainer.compute.turns import TurnLock
+from trainer.compute.sampler import DecodeJob, Sequence, StopCheck, draw_seed
 from trainer.contract.errors import invalid
 from trainer.contract.specs import ModelInput, SamplingParams
-from trainer.engine.batching.sample_batch import SampleJob, batcher_for
 from trainer.engine.moe_replay_keys import issue_keys
 
 if TYPE_CHECKING:
@@ -41,6 +49,9 @@ SYNC_TYPES = (
 Undo = list[Callable[[], None]]
 """What a failing operation must undo beyond RNG, step and versions, run in reverse order."""
 
+Weights = dict[str, torch.Tensor]
+"""A policy's weights by canonical name (`trainer/compute/policy.py`)."""
+
 
 @dataclass
 class Versions:
@@ -49,7 +60,7 @@ class Versions:
     trainer_step: int = 0
     target_weights_version: int = 0
     applied_weights_version: int = 0
-    pending: tuple[dict[str, torch.Tensor], int] | None = None
+    pending: tuple[Weights, int] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -60,73 +71,113 @@ class Versions:
         }
 
 
-class GeneratorOps(abc.ABC):
-    """Weights-sync and sample, for `TrainingSession`."""
+@dataclass
+class SampleCall:
+    """One validated sample call. `steps_per_turn`: its session's `decode_steps_per_turn`."""
 
+    prompts: list[list[int]]
+    num_samples: int
+    params: SamplingParams
+    eos_ids: set[int]
+    stop_hit: StopCheck | None
+    prompt_logprobs: bool
+    topk_prompt_logprobs: int
+    return_routed_experts: bool = False
+    steps_per_turn: int = 0
+
+    @property
+    def rows(self) -> int:
+        return len(self.prompts) * self.num_samples
+
+    def decode_job(self, seed: int, adapter: str | None = None) -> DecodeJob:
+        """The call's rows in a generation (`trainer/compute/sampler.py`)."""
+        return DecodeJob(
+            prompts=self.prompts,
+            num_samples=self.num_samples,
+            params=self.params,
+            eos_ids=self.eos_ids,
+            seed=seed,
+            stop_hit=self.stop_hit,
+            adapter=adapter,
+            record_routes=self.return_routed_experts,
+        )
+
+
+PromptLogprobs = tuple[list[float], list[dict[str, list]]]
+"""A prompt's token logprobs and top-k alternatives (`sampler.prompt_logprobs`)."""
+
+
+@dataclass
+class PromptSamples:
+    """One prompt's sequences, and its prompt logprobs when the call asked for them."""
+
+    sequences: list[Sequence]
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class SamplingSession(Protocol):
+    """What the sample and weights-sync operations use of their session (`TrainingSession`)."""
+
+    id: str
     resource: ResourceHandle
     policy: Policy
+    generator: Generator
     versions: Versions
     options: EngineOptions
     active: bool
     _cpu_rng: torch.Tensor  # the session's CPU RNG state between operations
 
     @property
-    @abc.abstractmethod
     def comm(self) -> Communicator:
         """The ranks the session runs on."""
 
-    @abc.abstractmethod
     def operation_scope(self) -> contextlib.AbstractContextManager[Undo]:
         """The session's operation context (lock, RNG, undo on failure)."""
 
-    def weights_sync(self, sync_type: str) -> dict[str, Any]:
-        """SYNCHRONOUS: live on return. BACKGROUND_PUBLISH and PIPELINE: a snapshot is queued
-        and the next sample applies it before generating (`pending_publish` until then)."""
-        if sync_type not in SYNC_TYPES:
-            raise invalid("weight_sync_type", f"must be one of {', '.join(SYNC_TYPES)}")
-        self._require_generator()
-        with self.operation_scope():
-            version = self.versions.trainer_step
-            self.versions.target_weights_version = version
-            if sync_type == "WEIGHT_SYNC_TYPE_SYNCHRONOUS":
-                self.policy.publish()  # the last step: nothing after it can fail
-                self.versions.applied_weights_version = version
-                self.versions.pending = None
-            else:
-                self.versions.pending = (self.policy.snapshot(), version)
-        return {"weights_version": version}
 
-    def _apply_pending(self, undo: Undo) -> None:
-        """Serve the queued snapshot; the reverse swap is registered in case the call fails."""
-        if self.versions.pending is not None:
-            snapshot, version = self.versions.pending
-            self.policy.swap_published(snapshot)
-            undo.append(lambda: self.policy.swap_published(snapshot))
-            self.versions.applied_weights_version = version
-            self.versions.pending = None
+class Generator(abc.ABC):
+    """What serves one session's samples (the module docstring)."""
 
-    def _require_generator(self) -> None:
-        if not self.resource.has_generator:
-            raise invalid(
-                "compute_config.num_generator_replicas",
-                "this resource has no generator (0 replicas): sample and weights-sync are off",
-            )
+    def __init__(self, resource: ResourceHandle) -> None:
+        self.resource = resource
 
-    def sample(
+    @abc.abstractmethod
+    def publish(self) -> None:
+        """Serve the policy's trainable weights as they are now."""
+
+    @abc.abstractmethod
+    def snapshot(self) -> Weights:
+        """A copy of the trainable weights as they are now, to be served later (`serve`)."""
+
+    @abc.abstractmethod
+    def serve(self, snapshot: Weights) -> Callable[[], None]:
+        """Serve `snapshot` from now on; returns what serves the weights served before again."""
+
+    @abc.abstractmethod
+    def generate(self, call: SampleCall, seed: int) -> list[PromptSamples]:
+        """In the session's operation: each prompt's `num_samples` sequences on the served
+        weights, their token choices drawn from a generator seeded with `seed`."""
+
+    def sample(self, session: SamplingSession, call: SampleCall) -> dict[str, Any]:
+        """The sample operation's answer: the call alone, or, where this generator batches
+        concurrent sessions' samples, with them."""
+        return sample_alone(session, call)
+
+    def sample_call(
         self,
         model_inputs: list[ModelInput],
+        num_samples: int,
+        params: SamplingParams,
         *,
-        num_samples: int = 1,
-        sampling_params: SamplingParams | None = None,
-        prompt_logprobs: bool = False,
-        topk_prompt_logprobs: int = 0,
-        return_routed_experts: bool = False,
-    ) -> dict[str, Any]:
-        params = sampling_params or SamplingParams()
-        self._require_generator()
+        prompt_logprobs: bool,
+        topk_prompt_logprobs: int,
+        return_routed_experts: bool,
+        steps_per_turn: int,
+    ) -> SampleCall:
+        """A sample call, validated (INVALID_INPUT naming the field) before any state moves."""
+        self.require()
         prompts = self._check_prompts(model_inputs, num_samples, params, topk_prompt_logprobs)
-        job = SampleJob(
-            session=self,
+        return SampleCall(
             prompts=prompts,
             num_samples=num_samples,
             params=params,
@@ -135,133 +186,16 @@ class GeneratorOps(abc.ABC):
             prompt_logprobs=prompt_logprobs,
             topk_prompt_logprobs=topk_prompt_logprobs,
             return_routed_experts=return_routed_experts,
+            steps_per_turn=steps_per_turn,
         )
-        batcher = batcher_for(self)  # concurrent samples of other sessions: one batch
-        if batcher is not None:
-            return batcher.run(job)
-        return self._sample_alone(job)
 
-    def _sample_alone(self, job: SampleJob) -> dict[str, Any]:
-        with self.operation_scope() as undo, self._resharding():
-            self._apply_pending(undo)
-            version = self.versions.applied_weights_version
-            with (
-                self.policy.published() as model,
-                moe_replay.recording(model, job.rows, job.return_routed_experts) as recorder,
-            ):
-                groups = sampler.generate(
-                    model,
-                    job.prompts,
-                    num_samples=job.num_samples,
-                    params=job.params,
-                    eos_ids=job.eos_ids,
-                    stop_hit=job.stop_hit,
-                    seed=job.params.seed,
-                    forward=self._model_forward(model),
-                    agree=self._agree_tokens,
-                    give_turn=moe_replay.pausing(recorder, self._turn_giver()),
-                    turn_steps=self.options.decode_steps_per_turn,
-                )
-                if recorder is not None:  # MoE routes (rule 12)
-                    moe_replay.assign(recorder, [job.prompts], [groups], [True])
-                return self._sample_results(job, groups, version, model)
-
-    def _sample_results(
-        self,
-        job: SampleJob,
-        groups: list[list[sampler.Sequence]],
-        version: int,
-        model: torch.nn.Module,
-    ) -> dict[str, Any]:
-        """The call's answer from its generated sequences (grouped by prompt), with prompt
-        logprobs computed on `model` (the published weights, active) when asked."""
-        results = []
-        forward = self._model_forward(model)
-        for prompt, group in zip(job.prompts, groups, strict=True):
-            keys = issue_keys(self, prompt, group)
-            result: dict[str, Any] = {
-                "sequences": [
-                    {
-                        "tokens": seq.tokens,
-                        "logprobs": seq.logprobs,
-                        "stop_reason": seq.stop_reason,
-                        "prompt_cache_hit_tokens": 0,
-                        **({"routed_experts_key": key} if key else {}),
-                    }
-                    for seq, key in zip(group, keys, strict=True)
-                ],
-                "policy_segments": [{"start_token": 0, "version": version}],
-            }
-            if job.prompt_logprobs or job.topk_prompt_logprobs:
-                lps, top = sampler.prompt_logprobs(
-                    model, prompt, job.topk_prompt_logprobs, forward=forward
-                )
-                if job.prompt_logprobs:
-                    result["prompt_logprobs"] = lps
-                if job.topk_prompt_logprobs:
-                    result["topk_prompt_logprobs"] = top
-            results.append(result)
-        return {"results": results}
-
-    def _turn_giver(self) -> Callable[[], None] | None:
-        """What generation calls every `decode_steps_per_turn` steps: if operations wait for
-        the compute lock (`trainer/compute/turns.py`), they run now and the sample resumes after
-        them.
-
-        What the sample relies on and another session's operation may change is put back on
-        resuming: its published adapter as the active one, eval mode (re-entering
-        `policy.published()`), and the global RNG state (its session's stream, which a model
-        load in between could draw from). The KV cache, the logits and the token generator are
-        the sample's own, and what they were computed from cannot change meanwhile: the base
-        weights are frozen (LoRA) or another resource's (a full-weight resource hosts one
-        session), and only this session's own operations change its published weights
-        (weights-sync, a pending publish, resume), and those wait behind this sample in the
-        session's FIFO (`SessionQueue`); a session is closed only from that queue too. So the
-        sequence comes from one weights version: `policy_segments` stays one segment.
-        Off (None) under torchrun: every rank must run the same operations in the same order,
-        and the command stream (`distributed/spmd.py`) runs one at a time anyway."""
-        lock = self.resource.lock
-        if (
-            not isinstance(lock, TurnLock)
-            or self.options.decode_steps_per_turn <= 0
-            or self.comm.world_size > 1
-        ):
-            return None
-        devices = cuda_devices()
-
-        def give_turn() -> None:
-            cpu = torch.get_rng_state()
-            cuda = [torch.cuda.get_rng_state(i) for i in devices]
-            if not lock.yield_turn():
-                return
-            torch.set_rng_state(cpu)
-            for i, state in zip(devices, cuda, strict=True):
-                torch.cuda.set_rng_state(state, i)
-            with self.policy.published():
-                pass  # activates the published weights again, in eval mode
-
-        return give_turn
-
-    def _model_forward(self, model: torch.nn.Module) -> Callable[..., Any]:
-        """How generation calls the model: through the placement (the FSDP root, sharded)."""
-        placement = self.resource.placement
-
-        def forward(**kwargs: Any) -> Any:
-            return placement.run(model, _call_model, **kwargs)
-
-        return forward
-
-    def _agree_tokens(self, chosen_S: torch.Tensor) -> torch.Tensor:
-        """The tokens every rank continues with: rank 0's."""
-        return self.resource.comm.broadcast_(chosen_S.contiguous())
-
-    @contextlib.contextmanager
-    def _resharding(self) -> Iterator[None]:
-        """Generation only runs forwards: free what they leave gathered, however it ends."""
-        try:
-            yield
-        finally:
-            self.resource.placement.reshard()
+    def require(self) -> None:
+        """Refuse sample and weights-sync on a resource without a generator."""
+        if not self.resource.has_generator:
+            raise invalid(
+                "compute_config.num_generator_replicas",
+                "this resource has no generator (0 replicas): sample and weights-sync are off",
+            )
 
     def _check_prompts(
         self,
@@ -319,5 +253,70 @@ class GeneratorOps(abc.ABC):
         return hit
 
 
-def _call_model(model: Any, **kwargs: Any) -> Any:
-    return model(**kwargs)
+def sync_weights(session: SamplingSession, sync_type: str) -> dict[str, Any]:
+    """The weights-sync operation: SYNCHRONOUS is live on return; BACKGROUND_PUBLISH and
+    PIPELINE queue a snapshot that the next sample serves first (`pending_publish` until
+    then)."""
+    if sync_type not in SYNC_TYPES:
+        raise invalid("weight_sync_type", f"must be one of {', '.join(SYNC_TYPES)}")
+    session.generator.require()
+    with session.operation_scope():
+        version = session.versions.trainer_step
+        session.versions.target_weights_version = version
+        if sync_type == "WEIGHT_SYNC_TYPE_SYNCHRONOUS":
+            session.generator.publish()  # the last step: nothing after it can fail
+            session.versions.applied_weights_version = version
+            session.versions.pending = None
+        else:
+            session.versions.pending = (session.generator.snapshot(), version)
+    return {"weights_version": version}
+
+
+def apply_pending(session: SamplingSession, undo: Undo) -> None:
+    """Serve the queued snapshot; what serves the previous weights again goes to `undo`."""
+    if session.versions.pending is not None:
+        snapshot, version = session.versions.pending
+        undo.append(session.generator.serve(snapshot))
+        session.versions.applied_weights_version = version
+        session.versions.pending = None
+
+
+def sample_alone(session: SamplingSession, call: SampleCall) -> dict[str, Any]:
+    """The sample operation of one session's call, in its operation scope: the pending
+    publish served, the seed (when the call gives none) drawn from the session's RNG stream."""
+    with session.operation_scope() as undo:
+        apply_pending(session, undo)
+        version = session.versions.applied_weights_version
+        samples = session.generator.generate(call, draw_seed(call.params.seed))
+        return answer(session, call, samples, version)
+
+
+def answer(
+    session: SamplingSession, call: SampleCall, samples: list[PromptSamples], version: int
+) -> dict[str, Any]:
+    """The sample operation's result: per prompt its sequences (with their routing-replay keys
+    when routes were recorded), the weights version they come from, its prompt logprobs."""
+    results = []
+    for prompt, got in zip(call.prompts, samples, strict=True):
+        keys = issue_keys(session, prompt, got.sequences)
+        result: dict[str, Any] = {
+            "sequences": [
+                {
+                    "tokens": seq.tokens,
+                    "logprobs": seq.logprobs,
+                    "stop_reason": seq.stop_reason,
+                    "prompt_cache_hit_tokens": 0,
+                    **({"routed_experts_key": key} if key else {}),
+                }
+                for seq, key in zip(got.sequences, keys, strict=True)
+            ],
+            "policy_segments": [{"start_token": 0, "version": version}],
+        }
+        if got.prompt_logprobs is not None:
+            lps, top = got.prompt_logprobs
+            if call.prompt_logprobs:
+                result["prompt_logprobs"] = lps
+            if call.topk_prompt_logprobs:
+                result["topk_prompt_logprobs"] = top
+        results.append(result)
+    return {"results": results}

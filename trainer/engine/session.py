@@ -65,11 +65,14 @@ from trainer.contract.specs import (
     AdamParams,
     Gradient,
     LossConfig,
+    ModelInput,
     Sample,
+    SamplingParams,
     SessionSpec,
 )
 from trainer.engine.faults import fault_point
-from trainer.engine.generator import GeneratorOps, Undo, Versions
+from trainer.engine.generator import Generator, Undo, Versions, sync_weights
+from trainer.engine.in_process import generator_for
 from trainer.engine.moe_replay_keys import attach_routes
 from trainer.engine.tracking import worker_run
 
@@ -79,7 +82,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class TrainingSession(GeneratorOps):
+class TrainingSession:
     # the operations a client queues, by method name: the serving layer's operation table
     # covers exactly these, and under torchrun every rank runs them (`distributed/spmd.py`)
     OPERATIONS: ClassVar[tuple[str, ...]] = (
@@ -103,8 +106,10 @@ class TrainingSession(GeneratorOps):
     training_checkpoints: list[CheckpointRecord] = field(default_factory=list)
     inference_checkpoints: list[CheckpointRecord] = field(default_factory=list)
     active: bool = True
+    generator: Generator = field(init=False, repr=False, compare=False)  # serves its samples
 
     def __post_init__(self) -> None:
+        self.generator = generator_for(self.resource, self.policy)
         config = self.resource.spec.optimizer_config
         self.optimizer: torch.optim.Optimizer = (
             new_muon(
@@ -442,6 +447,34 @@ class TrainingSession(GeneratorOps):
             "step": self.step,
             "metrics": metrics,
         }
+
+    # -- the generator (`engine/generator.py`) --------------------------------------------
+
+    def weights_sync(self, sync_type: str) -> dict[str, Any]:
+        """SYNCHRONOUS: live on return. BACKGROUND_PUBLISH and PIPELINE: a snapshot is queued
+        and the next sample applies it before generating (`pending_publish` until then)."""
+        return sync_weights(self, sync_type)
+
+    def sample(
+        self,
+        model_inputs: list[ModelInput],
+        *,
+        num_samples: int = 1,
+        sampling_params: SamplingParams | None = None,
+        prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+        return_routed_experts: bool = False,
+    ) -> dict[str, Any]:
+        call = self.generator.sample_call(
+            model_inputs,
+            num_samples,
+            sampling_params or SamplingParams(),
+            prompt_logprobs=prompt_logprobs,
+            topk_prompt_logprobs=topk_prompt_logprobs,
+            return_routed_experts=return_routed_experts,
+            steps_per_turn=self.options.decode_steps_per_turn,
+        )
+        return self.generator.sample(self, call)
 
     # -- checkpoints (the layout: `checkpoint/layout.py`) -----------------------------------
 

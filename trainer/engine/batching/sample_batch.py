@@ -1,33 +1,33 @@
 """Concurrent samples of several LoRA sessions of one resource, generated as one batch.
 
-Flat combining, as `trainer/engine/batching/pass_scheduler.py` does for forward-backward. A session
-thread with a
-validated sample call hands a `SampleJob` to its resource's `SampleBatcher` and blocks until the
-job is done. The first waiting thread becomes the combiner: it waits `[engine] merge_window_ms`
-for other sessions' samples, then takes the pending jobs (one per session, up to the model's
-`max_batch_size` rows in all) and runs them: one job alone by today's path
-(`GeneratorOps._sample_alone`), several under the resource lock as one generation batch
-(`generate_joint`). Once it has taken its jobs it stops collecting, so jobs that arrive during
-a long generation form the next batch (the two generations take turns on the lock,
+Flat combining, as `trainer/engine/batching/pass_scheduler.py` does for forward-backward. A
+session thread with a validated sample call hands a `SampleJob` to its resource's
+`SampleBatcher` and blocks until the job is done. The first waiting thread becomes the
+combiner: it waits `[engine] merge_window_ms` for other sessions' samples, then takes the
+pending jobs (one per session, up to the model's `max_batch_size` rows in all) and runs them:
+one job alone by the solo path (`trainer.engine.generator.sample_alone`), several under the
+resource lock as one generation of the decode loop (`trainer/compute/sampler.py`), a
+`DecodeJob` per sample. Once it has taken its jobs it stops collecting, so jobs that arrive
+during a long generation form the next batch (the two generations take turns on the lock,
 `trainer/compute/turns.py`).
 
 One batch: every job's rows, left-padded to one width, one KV cache; each job's rows compute
-with its own session's published adapter through `trainer.compute.multilora.segmented` (whole rows;
-the head, which sees one position per row, with a segment per row). The segmented forwards are
-on the model only while the batch computes: taken off before it yields its turn every
-`decode_steps_per_turn` decode steps, put back after. Meanwhile nothing the KV cache was
-computed from can change: each job's session is blocked in this batch, so its own operations
-(the only ones that change its published adapter) wait in its queue. Each job keeps its own
-sampling params, stop rules and token generator, seeded as its solo sample seeds it (the given
-seed, or one drawn from the session's own RNG stream), and draws for its own rows only, as its
-solo sample does. Numbers: tokens, stop reasons and prompt logprobs are those of the solo
-sample; the sampled logprobs may differ from it in the last bits (measured up to 1e-6 on CPU in
-fp32) when the batch pads a job's rows and the solo call did not (another attention kernel
-path), which could in principle change a token drawn right at a probability boundary.
+with its own session's published adapter (the job's `adapter`, applied by the decode loop
+through `trainer.compute.multilora.segmented`), taken off the model while the batch yields its
+turn every `decode_steps_per_turn` decode steps. Meanwhile nothing the KV cache was computed
+from can change: each job's session is blocked in this batch, so its own operations (the only
+ones that change its published adapter) wait in its queue. Each job keeps its own sampling
+params, stop rules and token generator, seeded as its solo sample seeds it (the given seed, or
+one drawn from the session's own RNG stream), and draws for its own rows only, as its solo
+sample does. Numbers: tokens, stop reasons and prompt logprobs are those of the solo sample;
+the sampled logprobs may differ from it in the last bits (measured up to 1e-6 on CPU in fp32)
+when the batch pads a job's rows and the solo call did not (another attention kernel path),
+which could in principle change a token drawn right at a probability boundary.
 
-Per session, as `operation_scope` would: a pending publish is applied (and swapped back if the batch
-fails), the session's RNG state moves on only when the batch succeeds; a failure of the batch
-fails every job in it and leaves each session as it was. A stopped session's job fails alone.
+Per session, as `operation_scope` would: a pending publish is applied (and swapped back if the
+batch fails), the session's RNG state moves on only when the batch succeeds; a failure of the
+batch fails every job in it and leaves each session as it was. A stopped session's job fails
+alone.
 
 Used where `[engine] batch_samples` is on, for LoRA resources in one process (`Plain`
 placement) with at least two live sessions; everything else samples alone.
@@ -35,48 +35,50 @@ placement) with at least two live sessions; everything else samples alone.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
+from torch import nn
 
-from trainer.compute import moe_replay
+from trainer.compute import sampler
 from trainer.compute.placement import Plain
-from trainer.compute.sampler import (
-    STOP_STOP,
-    Sequence,
-    _cache_kwarg,
-    _choose,
-    decode_step,
-    left_padded,
-)
+from trainer.compute.policy import LoraPolicy, Policy
 from trainer.compute.turns import TurnLock
 from trainer.contract.errors import OperationError
-from trainer.contract.specs import SamplingParams
 from trainer.engine.batching.combine import Combiner, one_per_session
+from trainer.engine.generator import (
+    PromptSamples,
+    SampleCall,
+    SamplingSession,
+    Undo,
+    Versions,
+    answer,
+    apply_pending,
+    sample_alone,
+)
 
-# A sample's session is a `trainer.engine.generator.GeneratorOps` (which imports this module,
-# so it is not named here, even for type checking: `tests/test_imports.py` keeps no cycles).
-GeneratorOps = Any
+
+class BatchGenerator(Protocol):
+    """What a batch uses of a job's generator (`trainer/engine/in_process.py`)."""
+
+    policy: Policy
+
+    def prompt_samples(
+        self, call: SampleCall, groups: list[list[sampler.Sequence]], model: nn.Module
+    ) -> list[PromptSamples]:
+        """Each prompt's sequences and, when asked, its prompt logprobs on `model`."""
 
 
 @dataclass
 class SampleJob:
     """One validated sample call of one session, then its outcome."""
 
-    session: GeneratorOps
-    prompts: list[list[int]]
-    num_samples: int
-    params: SamplingParams
-    eos_ids: set[int]
-    stop_hit: Callable[[list[int]], bool] | None
-    prompt_logprobs: bool
-    topk_prompt_logprobs: int
-    return_routed_experts: bool = False
+    session: SamplingSession
+    call: SampleCall
+    generator: BatchGenerator
     result: dict[str, Any] | None = None
     error: BaseException | None = None
     taken: bool = False
@@ -84,19 +86,24 @@ class SampleJob:
     # set while the batch runs
     seed: int = 0
     rng_after: torch.Tensor | None = None
-    undo: list[Callable[[], None]] = field(default_factory=list)
-    saved_versions: Any = None
+    undo: Undo = field(default_factory=list)
+    saved_versions: Versions | None = None
 
     @property
     def rows(self) -> int:
-        return len(self.prompts) * self.num_samples
+        return self.call.rows
+
+    @property
+    def lora(self) -> LoraPolicy:
+        """The session's policy: a LoRA one (`batcher_for`)."""
+        return cast(LoraPolicy, self.generator.policy)
 
 
 _BATCHERS: weakref.WeakKeyDictionary[Any, SampleBatcher] = weakref.WeakKeyDictionary()
 _BATCHERS_LOCK = threading.Lock()
 
 
-def batcher_for(session: GeneratorOps) -> SampleBatcher | None:
+def batcher_for(session: SamplingSession) -> SampleBatcher | None:
     """The resource's batcher when this session's samples may be batched, else None."""
     resource = session.resource
     options = session.options
@@ -171,9 +178,9 @@ class SampleBatcher:
 
     @staticmethod
     def _alone(job: SampleJob) -> None:
-        """Today's solo path (it takes the lock itself, so its sample yields its turns)."""
+        """The solo path (it takes the lock itself, so its sample yields its turns)."""
         try:
-            job.result = job.session._sample_alone(job)
+            job.result = sample_alone(job.session, job.call)
         except BaseException as exc:
             job.error = exc
 
@@ -183,21 +190,8 @@ class SampleBatcher:
             for job in jobs:
                 started.append(job)
                 _begin(job)
-            model = jobs[0].session.policy.model
-            rows = sum(job.rows for job in jobs)
-            wanted = any(job.return_routed_experts for job in jobs)
-            with moe_replay.recording(model, rows, wanted) as recorder:  # MoE routes (rule 12)
-                give_turn = moe_replay.pausing(recorder, self._turn_giver(jobs[0]))
-                groups = generate_joint(model, jobs, give_turn)
-            if recorder is not None:
-                wants = [job.return_routed_experts for job in jobs]
-                moe_replay.assign(recorder, [job.prompts for job in jobs], groups, wants)
-            results = []
-            for job, group in zip(jobs, groups, strict=True):
-                session = job.session
-                version = session.versions.applied_weights_version
-                with session.policy.published() as model:  # prompt logprobs: its adapter alone
-                    results.append(session._sample_results(job, group, version, model))
+            groups = _generate(jobs, self._turns(jobs[0]))
+            results = [_answer(job, group) for job, group in zip(jobs, groups, strict=True)]
         except BaseException as exc:
             for job in reversed(started):
                 _roll_back(job)
@@ -210,37 +204,33 @@ class SampleBatcher:
         self.batches += 1
         self.batched_jobs += len(jobs)
 
-    def _turn_giver(self, job: SampleJob) -> Callable[[], None] | None:
-        """Between decode steps (with the segmented forwards off the model): let waiting
+    def _turns(self, job: SampleJob) -> sampler.Turns:
+        """Between decode steps (with the jobs' adapters off the model): let waiting
         operations run, then eval mode again. Each job's published adapter cannot change
         meanwhile (the module docstring)."""
-        steps = job.session.options.decode_steps_per_turn
+        steps = job.call.steps_per_turn
         lock = self.resource.lock
         if steps <= 0:
-            return None
-        peft = job.session.policy.peft  # type: ignore[attr-defined]
+            return sampler.Turns()
+        peft = job.lora.peft
 
         def give_turn() -> None:
             if lock.yield_turn():
                 peft.eval()
 
-        return give_turn
+        return sampler.Turns(steps, give_turn)
 
 
 def _begin(job: SampleJob) -> None:
     """What the session's `operation_scope` + solo sample do before generating: apply a pending
-    publish (undoable), and seed the job's token generator as `sampler.generate` would, from
-    the session's RNG stream when no seed is given (kept aside until the batch succeeds)."""
+    publish (undoable), and seed the job's token generator as `sample_alone` would, from the
+    session's RNG stream when no seed is given (kept aside until the batch succeeds)."""
     session = job.session
     job.saved_versions = replace(session.versions)
-    session._apply_pending(job.undo)
-    state = session._cpu_rng
+    apply_pending(session, job.undo)
     rng = torch.Generator()
-    rng.set_state(state)
-    if job.params.seed is None:
-        job.seed = int(torch.randint(0, 2**62, (), generator=rng).item())
-    else:
-        job.seed = int(job.params.seed)
+    rng.set_state(session._cpu_rng)
+    job.seed = sampler.draw_seed(job.call.params.seed, rng)
     job.rng_after = rng.get_state()
 
 
@@ -253,130 +243,18 @@ def _roll_back(job: SampleJob) -> None:
 
 
 @torch.no_grad()
-def generate_joint(
-    model: Any, jobs: list[SampleJob], give_turn: Callable[[], None] | None
-) -> list[list[list[Sequence]]]:
-    """Each job's completions (grouped by prompt, as `sampler.generate` returns them), from
-    one batch in which each job's rows use its session's published adapter."""
-    from transformers import DynamicCache
-
-    from trainer.compute.multilora import Segment, segmented
-
-    peft = jobs[0].session.policy.peft  # type: ignore[attr-defined]
-    head = model.get_output_embeddings()
-    head_adapters = set(getattr(head, "lora_A", {}))  # sessions without train_unembed: none
-    device = next(model.parameters()).device
-    rows: list[list[int]] = []
-    spans: list[tuple[int, int]] = []
-    for job in jobs:
-        first = len(rows)
-        rows.extend(prompt for prompt in job.prompts for _ in range(job.num_samples))
-        spans.append((first, len(rows)))
-    adapters = [job.session.policy.pub_name for job in jobs]  # type: ignore[attr-defined]
-    input_ids, attention, positions = left_padded(rows, device)
-    generators = [torch.Generator().manual_seed(job.seed) for job in jobs]
-    cache_kw = {_cache_kwarg(model): DynamicCache()}
-
-    last = [Segment(a if a in head_adapters else None, s, e) for a, (s, e) in zip(adapters, spans)]
-    installed = contextlib.ExitStack()  # the decode steps' forwards, kept between yields
-
-    def install(length: int) -> None:
-        """Each job's rows (`length` positions each) with its adapter; the head per row."""
-        peft.eval()
-        body = [Segment(a, s * length, e * length) for a, (s, e) in zip(adapters, spans)]
-        installed.enter_context(segmented(model, body))
-        installed.enter_context(segmented(head, last))
-
-    try:
-        install(input_ids.shape[1])
-        out = model(
-            input_ids=input_ids,
-            attention_mask=attention,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=1,
-            **cache_kw,
-        )
-        installed.close()
-        install(1)  # a decode step: one position per row, for the body and the head alike
-        return _decode(
-            model,
-            jobs,
-            spans,
-            out,
-            attention,
-            positions,
-            cache_kw,
-            install,
-            installed,
-            generators,
-            give_turn,
-        )
-    finally:
-        installed.close()
+def _generate(jobs: list[SampleJob], turns: sampler.Turns) -> list[list[list[sampler.Sequence]]]:
+    """Each job's sequences grouped by prompt, from one generation in which each job's rows
+    use its session's published adapter."""
+    policy = jobs[0].lora
+    policy.peft.eval()
+    decode = [job.call.decode_job(job.seed, adapter=job.lora.pub_name) for job in jobs]
+    return sampler.generate(policy.model, decode, turns=turns)
 
 
-def _decode(
-    model: Any,
-    jobs: list[SampleJob],
-    spans: list[tuple[int, int]],
-    out: Any,
-    attention: torch.Tensor,
-    positions: torch.Tensor,
-    cache_kw: dict[str, Any],
-    install: Callable[[int], None],
-    installed: contextlib.ExitStack,
-    generators: list[torch.Generator],
-    give_turn: Callable[[], None] | None,
-) -> list[list[list[Sequence]]]:
-    """The decode loop of `generate_joint`: each job draws for its own rows, as
-    `sampler.generate` does for one call. The segmented forwards are taken off the model
-    while the batch yields its turn, and put back after."""
-    rows = spans[-1][1]
-    steps_per_turn = jobs[0].session.options.decode_steps_per_turn
-    sequences = [Sequence() for _ in range(rows)]
-    done = torch.zeros(rows, dtype=torch.bool)
-    finished = [False] * len(jobs)
-    next_pos = positions[:, -1:] + 1
-    for step in range(max(job.params.max_tokens for job in jobs)):
-        if give_turn is not None and steps_per_turn > 0 and step > 0 and step % steps_per_turn == 0:
-            installed.close()
-            give_turn()
-            install(1)
-        logits = out.logits[:, -1, :].float()
-        chosen = torch.zeros(rows, dtype=torch.long, device=logits.device)
-        for j, job in enumerate(jobs):
-            if finished[j]:
-                continue
-            start, end = spans[j]
-            own = logits[start:end]
-            logprobs = torch.log_softmax(own, dim=-1)
-            picked = _choose(own, job.params, generators[j])
-            chosen[start:end] = picked
-            picked_lp = logprobs.gather(-1, picked[:, None]).squeeze(-1).cpu()
-            for r in range(start, end):
-                if done[r]:
-                    continue
-                token = int(picked[r - start])
-                seq = sequences[r]
-                seq.tokens.append(token)
-                seq.logprobs.append(float(picked_lp[r - start]))
-                if token in job.eos_ids or (job.stop_hit is not None and job.stop_hit(seq.tokens)):
-                    seq.stop_reason = STOP_STOP
-                    done[r] = True
-            max_tokens = job.params.max_tokens
-            if (
-                bool(done[start:end].all())
-                or len(sequences[start].tokens) >= max_tokens
-                or step + 1 >= max_tokens
-            ):
-                finished[j] = True
-        if all(finished):
-            break
-        out, attention, next_pos = decode_step(model, chosen, attention, next_pos, cache_kw)
-    grouped = []
-    for job, (start, _) in zip(jobs, spans):
-        mine = sequences[start : start + job.rows]
-        n = job.num_samples
-        grouped.append([mine[i * n : (i + 1) * n] for i in range(len(job.prompts))])
-    return grouped
+def _answer(job: SampleJob, groups: list[list[sampler.Sequence]]) -> dict[str, Any]:
+    """The job's result, its prompt logprobs computed with its own adapter alone."""
+    version = job.session.versions.applied_weights_version
+    with job.generator.policy.published() as model:
+        samples = job.generator.prompt_samples(job.call, groups, model)
+    return answer(job.session, job.call, samples, version)
