@@ -19,7 +19,7 @@ from pydantic import TypeAdapter
 from trainer.checkpoint.store import CheckpointCorrupt, CheckpointRecord, CheckpointStore
 from trainer.contract.errors import OperationError
 from trainer.contract.options import EngineOptions
-from trainer.contract.specs import ModelEntry, ResourceSpec, SessionSpec
+from trainer.contract.specs import LoraConfig, ModelEntry, ResourceSpec, SessionSpec
 from trainer.distributed.batching import MERGED_OP, DistributedMerger, run_group
 from trainer.distributed.comm import Comm
 from trainer.distributed.follower_store import FollowerStore
@@ -262,6 +262,10 @@ class DistributedSession:
     @property
     def step(self) -> int:
         return self.local.step
+
+    @property
+    def lora_config(self) -> LoraConfig | None:
+        return self.local.lora_config
 
     def policy_state(self) -> dict[str, Any]:
         return self.local.policy_state()

@@ -28,7 +28,7 @@ from trainer.compute.model import (
     with_context_limit,
 )
 from trainer.compute.placement import Placement, Plain
-from trainer.compute.policy import LoraPolicy, Policy, layout_like
+from trainer.compute.policy import LoraPolicy, Policy, SharedPeft, layout_like
 from trainer.contract.errors import OperationError, invalid
 from trainer.contract.optimizer import optimizer_kind
 from trainer.contract.options import EngineOptions
@@ -72,7 +72,7 @@ class ModelResource:
         self.has_generator = spec.compute_config.num_generator_replicas > 0
         self.sessions: dict[str, TrainingSession] = {}
         self.scheduler = MergeScheduler(self)  # batches LoRA sessions' calls
-        self._peft: dict[str, Any] = {"model": None}
+        self.peft = SharedPeft()  # the peft model of the LoRA sessions' adapters
         self._adapters = 0
         self._base_dirty = False
         self._base_tied = is_tied(self.model)
@@ -127,7 +127,7 @@ class ModelResource:
             self._adapters += 1
             policy = LoraPolicy(
                 self.model,
-                self._peft,
+                self.peft,
                 f"s{self._adapters}",
                 lora_config,
                 lora_seed,
@@ -301,7 +301,7 @@ class ModelResource:
             for session_id in list(self.sessions):
                 self.close_session(session_id)
             self.model = None  # type: ignore[assignment]
-            self._peft = {"model": None}
+            self.peft.close()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 

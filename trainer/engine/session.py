@@ -64,6 +64,7 @@ from trainer.contract.options import EngineOptions
 from trainer.contract.specs import (
     AdamParams,
     Gradient,
+    LoraConfig,
     LossConfig,
     Sample,
     SessionSpec,
@@ -110,7 +111,7 @@ class TrainingSession(GeneratorOps):
             new_muon(
                 self.policy.trainable,
                 config["muon"]["scaling_strategy"],
-                getattr(self.policy, "expert_factors", None),  # LoRA on MoE experts
+                self.policy.expert_factors,  # LoRA on MoE experts
             )
             if optimizer_kind(config) == "muon"
             else optim.new_adamw(list(self.policy.trainable.values()))
@@ -119,13 +120,18 @@ class TrainingSession(GeneratorOps):
         self._cpu_rng = gen.get_state()
         self._cuda_rng = [torch.cuda.get_rng_state(i) for i in cuda_devices()]
         self.tracker = worker_run(
-            self.id, self.spec.metadata.model_dump(), str(getattr(self.resource.store, "root", "."))
+            self.id, self.spec.metadata.model_dump(), str(self.resource.store.root)
         )
 
     # -- state -----------------------------------------------------------------------------
 
     def policy_state(self) -> dict[str, Any]:
         return self.versions.as_dict()
+
+    @property
+    def lora_config(self) -> LoraConfig | None:
+        """The LoRA config it trains with (a resumed checkpoint's own); None: full weights."""
+        return self.policy.config
 
     def restore_counters(self, step: int, trainer_step: int) -> None:
         """A resumed checkpoint's counters: the generator serves the weights it saved."""
@@ -479,14 +485,10 @@ class TrainingSession(GeneratorOps):
             session_id=self.id,
             step=self.step,
             base_model=self.resource.entry.name,
-            lora_rank=self._lora_rank(),
+            lora_rank=None if self.lora_config is None else int(self.lora_config.rank),
             writer=writer,
             meta={"kind": self.policy.kind, **meta},
         )
-
-    def _lora_rank(self) -> int | None:
-        config = getattr(self.policy, "config", None)
-        return None if config is None else int(config.rank)
 
     def rng_tensors(self) -> dict[str, torch.Tensor]:
         """The session's RNG states as a checkpoint holds them (copies)."""

@@ -95,12 +95,12 @@ class WorkItem:
 
     @property
     def dropout(self) -> float:
-        config = getattr(self.session.policy, "config", None)
+        config = self.session.policy.config
         return 0.0 if config is None else float(config.dropout)
 
     @property
     def adapter(self) -> str:
-        return str(getattr(self.session.policy, "name", ""))
+        return self.session.policy.adapter or ""
 
     def fail(self, error: BaseException) -> None:
         if self.error is None and self.result is None:
@@ -200,7 +200,8 @@ def run_merged(items: list[WorkItem]) -> None:
             return
         for item in live:
             item.local = split_by_tokens(item.prepared, comm.world_size)[comm.rank]
-        peft = live[0].session.policy.peft  # type: ignore[attr-defined]
+        peft = live[0].session.policy.peft
+        assert peft is not None  # merged passes hold LoRA sessions only
         try:
             if not forward_only:
                 for item in live:
