@@ -68,7 +68,7 @@ class GeneratorOps(abc.ABC):
     versions: Versions
     options: EngineOptions
     active: bool
-    _cpu_rng: torch.Tensor  # the session's CPU RNG state between operations
+    cpu_rng: torch.Tensor  # the session's CPU RNG state between operations
 
     @property
     @abc.abstractmethod
@@ -96,7 +96,7 @@ class GeneratorOps(abc.ABC):
                 self.versions.pending = (self.policy.snapshot(), version)
         return {"weights_version": version}
 
-    def _apply_pending(self, undo: Undo) -> None:
+    def apply_pending(self, undo: Undo) -> None:
         """Serve the queued snapshot; the reverse swap is registered in case the call fails."""
         if self.versions.pending is not None:
             snapshot, version = self.versions.pending
@@ -139,11 +139,12 @@ class GeneratorOps(abc.ABC):
         batcher = batcher_for(self)  # concurrent samples of other sessions: one batch
         if batcher is not None:
             return batcher.run(job)
-        return self._sample_alone(job)
+        return self.sample_alone(job)
 
-    def _sample_alone(self, job: SampleJob) -> dict[str, Any]:
+    def sample_alone(self, job: SampleJob) -> dict[str, Any]:
+        """The sample on its own (not in a batch), under the session's operation scope."""
         with self.operation_scope() as undo, self._resharding():
-            self._apply_pending(undo)
+            self.apply_pending(undo)
             version = self.versions.applied_weights_version
             with (
                 self.policy.published() as model,
@@ -164,9 +165,9 @@ class GeneratorOps(abc.ABC):
                 )
                 if recorder is not None:  # MoE routes (rule 12)
                     moe_replay.assign(recorder, [job.prompts], [groups], [True])
-                return self._sample_results(job, groups, version, model)
+                return self.sample_results(job, groups, version, model)
 
-    def _sample_results(
+    def sample_results(
         self,
         job: SampleJob,
         groups: list[list[sampler.Sequence]],

@@ -6,7 +6,7 @@ validated sample call hands a `SampleJob` to its resource's `SampleBatcher` and 
 job is done. The first waiting thread becomes the combiner: it waits `[engine] merge_window_ms`
 for other sessions' samples, then takes the pending jobs (one per session, up to the model's
 `max_batch_size` rows in all) and runs them: one job alone by today's path
-(`GeneratorOps._sample_alone`), several under the resource lock as one generation batch
+(`GeneratorOps.sample_alone`), several under the resource lock as one generation batch
 (`generate_joint`). Once it has taken its jobs it stops collecting, so jobs that arrive during
 a long generation form the next batch (the two generations take turns on the lock,
 `trainer/compute/turns.py`).
@@ -37,15 +37,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from trainer.compute import moe_replay
-from trainer.compute.placement import Plain
 from trainer.compute.sampler import (
     STOP_STOP,
     Sequence,
@@ -54,10 +52,14 @@ from trainer.compute.sampler import (
     decode_step,
     left_padded,
 )
-from trainer.compute.turns import TurnLock
 from trainer.contract.errors import OperationError
 from trainer.contract.specs import SamplingParams
 from trainer.engine.batching.combine import Combiner, one_per_session
+from trainer.engine.batching.eligibility import can_share
+
+if TYPE_CHECKING:
+    from trainer.compute.turns import TurnLock
+    from trainer.contract.specs import ModelEntry
 
 # A sample's session is a `trainer.engine.generator.GeneratorOps` (which imports this module,
 # so it is not named here, even for type checking: `tests/test_imports.py` keeps no cycles).
@@ -92,47 +94,43 @@ class SampleJob:
         return len(self.prompts) * self.num_samples
 
 
-_BATCHERS: weakref.WeakKeyDictionary[Any, SampleBatcher] = weakref.WeakKeyDictionary()
-_BATCHERS_LOCK = threading.Lock()
+class BatchingResource(Protocol):
+    """What the batcher uses of its resource (`ModelResource`)."""
+
+    entry: ModelEntry
+    sample_batcher: SampleBatcher | None  # made by the first sample that may join a batch
+
+    @property
+    def lock(self) -> TurnLock: ...
+
+
+_MAKING = threading.Lock()  # two sessions' first batchable samples make one batcher
 
 
 def batcher_for(session: GeneratorOps) -> SampleBatcher | None:
     """The resource's batcher when this session's samples may be batched, else None."""
+    if not can_share(session, "sample"):
+        return None
     resource = session.resource
-    options = session.options
-    if not options.batch_samples or not getattr(resource, "lora", False):
-        return None
-    if session.comm.world_size != 1 or not isinstance(resource.placement, Plain):
-        return None
-    if not isinstance(resource.lock, TurnLock) or not hasattr(session.policy, "pub_name"):
-        return None
-    if not getattr(session.policy, "segmentable", True):
-        return None  # LoRA on MoE experts: `segmented` handles module layers only
-    if resource.lock.held_here():
-        return None  # a caller holding the lock: another combiner could not take it
-    sessions = list(getattr(resource, "sessions", {}).values())  # one C call: a snapshot
-    if sum(1 for other in sessions if other.active) < 2:
-        return None  # nobody to batch with: no window to wait out
-    with _BATCHERS_LOCK:
-        batcher = _BATCHERS.get(resource)
-        if batcher is None:
-            batcher = _BATCHERS[resource] = SampleBatcher(resource)
-    return batcher
+    with _MAKING:
+        if resource.sample_batcher is None:
+            resource.sample_batcher = SampleBatcher(resource)
+        return resource.sample_batcher
 
 
-def sample_counters(resource: Any) -> dict[str, int]:
+def sample_counters(resource: BatchingResource) -> dict[str, int]:
     """`sample_batches`: generations that held more than one session's sample;
     `batched_samples`: the samples that ran in those (0 and 0 before any)."""
-    batcher = _BATCHERS.get(resource)
+    batcher = resource.sample_batcher
     if batcher is None:
         return {"sample_batches": 0, "batched_samples": 0}
     return {"sample_batches": batcher.batches, "batched_samples": batcher.batched_jobs}
 
 
 class SampleBatcher:
-    """One per resource; counters for tests and metrics."""
+    """One per resource (`BatchingResource.sample_batcher`); counters for tests and metrics."""
 
-    def __init__(self, resource: Any) -> None:
+    def __init__(self, resource: BatchingResource) -> None:
         self.resource = resource
         self._combiner: Combiner[SampleJob] = Combiner(overlap=True)
         self.batches = 0  # generations of more than one job
@@ -173,7 +171,7 @@ class SampleBatcher:
     def _alone(job: SampleJob) -> None:
         """Today's solo path (it takes the lock itself, so its sample yields its turns)."""
         try:
-            job.result = job.session._sample_alone(job)
+            job.result = job.session.sample_alone(job)
         except BaseException as exc:
             job.error = exc
 
@@ -197,7 +195,7 @@ class SampleBatcher:
                 session = job.session
                 version = session.versions.applied_weights_version
                 with session.policy.published() as model:  # prompt logprobs: its adapter alone
-                    results.append(session._sample_results(job, group, version, model))
+                    results.append(session.sample_results(job, group, version, model))
         except BaseException as exc:
             for job in reversed(started):
                 _roll_back(job)
@@ -205,7 +203,7 @@ class SampleBatcher:
             return
         for job, result in zip(jobs, results, strict=True):
             assert job.rng_after is not None
-            job.session._cpu_rng = job.rng_after
+            job.session.cpu_rng = job.rng_after
             job.result = result
         self.batches += 1
         self.batched_jobs += len(jobs)
@@ -233,8 +231,8 @@ def _begin(job: SampleJob) -> None:
     the session's RNG stream when no seed is given (kept aside until the batch succeeds)."""
     session = job.session
     job.saved_versions = replace(session.versions)
-    session._apply_pending(job.undo)
-    state = session._cpu_rng
+    session.apply_pending(job.undo)
+    state = session.cpu_rng
     rng = torch.Generator()
     rng.set_state(state)
     if job.params.seed is None:
