@@ -62,7 +62,7 @@ def baseline_save(session: Any) -> None:
     with session.operation_scope():
         weights = {n: p.detach().to("cpu").clone() for n, p in session.policy.trainable.items()}
         optimizer = optim.state_tensors(session.optimizer, session.policy.trainable)
-        rng = {"cpu": session._cpu_rng.clone()}
+        rng = {"cpu": session.cpu_rng.clone()}
         state = layout.state_json(session)
 
     def writer(out: Path) -> None:

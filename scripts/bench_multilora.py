@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainer.compute.attention import use_packed_sdpa
 from trainer.compute.logprobs import token_logprobs
 from trainer.compute.multilora import Segment, segmented
-from trainer.compute.policy import LoraPolicy
+from trainer.compute.policy import LoraPolicy, SharedPeft
 from trainer.contract.specs import LoraConfig
 from trainer.rl.config import Recipe
 from trainer.tiny import TinySpec, build_model
@@ -46,12 +46,12 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, list[str]]:
     spec = TinySpec(**{**spec.__dict__, **fields})
     model = build_model(spec, seed=0)
     use_packed_sdpa(model)
-    holder: dict[str, Any] = {}
+    holder = SharedPeft()
     names = [f"s{i}" for i in range(args.adapters)]
     config = LoraConfig(rank=args.rank, alpha=2 * args.rank)
     for i, name in enumerate(names):
         LoraPolicy(model, holder, name, config, seed=i, with_generator=False)
-    peft = holder["model"]
+    peft = holder.model
     with torch.no_grad():
         for pname, param in peft.named_parameters():
             if "lora_B" in pname:

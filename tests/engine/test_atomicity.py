@@ -59,7 +59,7 @@ def _twins(kind: str, model_dir: Path, tmp_path: Path):
     a = make_resource(model_dir, tmp_path / "a", lora=False, options=SMALL)
     b = make_resource(model_dir, tmp_path / "b", lora=False, options=SMALL)
     twin_a, twin_b = a.create_session("a", SessionSpec()), b.create_session("b", SessionSpec())
-    twin_b.restore_rng({"cpu": twin_a._cpu_rng})  # full sessions draw their seed
+    twin_b.restore_rng({"cpu": twin_a.cpu_rng})  # full sessions draw their seed
     return twin_a, twin_b
 
 
@@ -76,7 +76,7 @@ def _state(session) -> dict[str, object]:
         "pending": None if pending is None else (copy(pending[0]), pending[1]),
         "step": session.step,
         "policy_state": session.policy_state(),
-        "rng": [session._cpu_rng.clone(), *(s.clone() for s in session._cuda_rng)],
+        "rng": [session.cpu_rng.clone(), *(s.clone() for s in session.cuda_rng)],
     }
 
 

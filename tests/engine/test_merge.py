@@ -256,7 +256,7 @@ def test_dropout_sessions_keep_their_own_streams(tiny_qwen_dir, tmp_path) -> Non
     # the masks matter: the same session without its stream (another seed) is far off
     other = make_resource(tiny_qwen_dir, tmp_path / "other", options=SOLO)
     moved = other.create_session("x", SessionSpec(lora_config=configs[0]))
-    moved._cpu_rng = torch.Generator().manual_seed(999).get_state()
+    moved.cpu_rng = torch.Generator().manual_seed(999).get_state()
     grads = _fb(0, 600)(moved)["grads"]  # lora_B starts at 0: the masks show in the gradients
     name = next(n for n in grads if "lora_B" in n)
     assert not torch.allclose(grads[name], want[0][0]["grads"][name], rtol=1e-2)
@@ -323,7 +323,7 @@ def test_a_failed_pass_fails_every_call_and_leaves_no_trace(tiny_qwen_dir, tmp_p
     sessions = _sessions(resource, configs)
     for kind, session in enumerate(sessions):
         _fb(kind, 950 + kind)(session)
-    held = [(grads_of(s), s._cpu_rng.clone()) for s in sessions]
+    held = [(grads_of(s), s.cpu_rng.clone()) for s in sessions]
     decoder = resource.model.get_decoder()
 
     def oom(*_: Any) -> None:
@@ -355,4 +355,4 @@ def test_a_failed_pass_fails_every_call_and_leaves_no_trace(tiny_qwen_dir, tmp_p
     for session, (grads, rng) in zip(sessions, held, strict=True):
         for name, grad in grads.items():
             assert torch.equal(session.policy.trainable[name].grad, grad), name
-        assert torch.equal(session._cpu_rng, rng)
+        assert torch.equal(session.cpu_rng, rng)

@@ -129,11 +129,11 @@ def test_activation_checkpointing_gives_the_same_gradients(tiny_moe_dir, tmp_pat
 def test_dropout_on_moe_is_refused_without_trace(tiny_moe_dir, tmp_path) -> None:
     resource = make_resource(tiny_moe_dir, tmp_path)
     session = resource.create_session("a", SessionSpec(lora_config=LoraConfig(rank=4, seed=1)))
-    adapters = sorted(resource._peft["model"].peft_config)
+    adapters = sorted(resource.peft.model.peft_config)
     with pytest.raises(OperationError) as err:
         resource.create_session("b", SessionSpec(lora_config=LoraConfig(rank=4, dropout=0.1)))
     assert err.value.code == "INVALID_INPUT" and err.value.field == "lora_config.dropout"
-    assert sorted(resource._peft["model"].peft_config) == adapters
+    assert sorted(resource.peft.model.peft_config) == adapters
     assert "b" not in resource.sessions
     _train(session, range(1), adam=AdamParams(learning_rate=1e-2))  # the resource still works
     resource.close()

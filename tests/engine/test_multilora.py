@@ -18,7 +18,7 @@ from peft import LoraConfig as PeftLoraConfig
 from tests.engine.helpers import random_batch
 from trainer.compute.attention import use_packed_sdpa
 from trainer.compute.multilora import Segment, lora_layers, segmented
-from trainer.compute.policy import LoraPolicy
+from trainer.compute.policy import LoraPolicy, SharedPeft
 from trainer.contract.specs import LoraConfig
 
 TOL = 1e-6  # fp32
@@ -51,11 +51,11 @@ def _build(
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
-    holder: dict[str, Any] = {}
+    holder = SharedPeft()
     for i, (name, rank, alpha, unembed) in enumerate(POLICIES):
         config = LoraConfig(rank=rank, alpha=alpha, dropout=dropout, train_unembed=unembed)
         LoraPolicy(model, holder, name, config, seed=i, with_generator=False)
-    peft = holder["model"]
+    peft = holder.model
     qv = PeftLoraConfig(
         r=16, lora_alpha=32, lora_dropout=dropout, target_modules=["q_proj", "v_proj"]
     )

@@ -347,7 +347,7 @@ def test_batched_samples_record_each_rows_routes(moe_dir, tmp_path, monkeypatch)
         probes = [_probe(q, q["key"]) for q in seqs]
         prepared = s._prepare(probes)
         assert all(p.routes is not None for p in prepared)
-        assert not resource.scheduler.mergeable(s, prepared)  # keyed samples run alone
+        assert not resource.scheduler.eligible(s, prepared)  # keyed samples run alone
         for seq, lp in zip(seqs, _forward(s, probes), strict=True):
             n_prompt = len(seq["prompt"])
             torch.testing.assert_close(

@@ -216,7 +216,7 @@ def _state(session: TrainingSession) -> dict[str, Any]:
     return {
         "trainable": weights_of(session),
         "published": {n: t.detach().clone() for n, t in session.policy.published_tensors().items()},
-        "rng": session._cpu_rng.clone(),
+        "rng": session.cpu_rng.clone(),
     }
 
 
@@ -383,15 +383,15 @@ def test_concurrent_samples_of_sessions_run_as_one_batch_equal_to_their_solo_sam
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """Tied (Qwen3-shaped) and untied (Llama-shaped) models; a head LoRA on two sessions."""
-    from trainer.engine.batching.sample_batch import _BATCHERS, sample_counters
+    from trainer.engine.batching.sample_batch import sample_counters
 
     solo_resource, solo = _jobs_resource(tiny_model_dir, tmp_path / "solo", batch=False)
     want = [_sample_job(s, i) for i, s in enumerate(solo)]
-    assert solo_resource not in _BATCHERS
+    assert solo_resource.sample_batcher is None
 
     resource, sessions = _jobs_resource(tiny_model_dir, tmp_path / "batched", batch=True)
     got = _concurrently(sessions)
-    batcher = _BATCHERS[resource]
+    batcher = resource.sample_batcher
     assert (batcher.batches, batcher.batched_jobs) == (1, 3)  # one generation for all three
     assert sample_counters(resource) == {"sample_batches": 1, "batched_samples": 3}
     assert sample_counters(solo_resource) == {"sample_batches": 0, "batched_samples": 0}
@@ -450,7 +450,7 @@ def test_a_failed_batch_fails_every_sample_in_it_and_leaves_each_session_as_it_w
     assert before[0][1]["pending_publish"]
     monkeypatch.setattr(sampler, "_choose", real)
     again = _concurrently(sessions)  # and the same samples then succeed, as one batch
-    assert sample_batch._BATCHERS[resource].batches == 1
+    assert resource.sample_batcher.batches == 1
     assert all(isinstance(result, dict) for result in again), again
     assert again[0]["results"][0]["policy_segments"] == [{"start_token": 0, "version": 1}]
     assert sessions[0].versions.as_dict() == {

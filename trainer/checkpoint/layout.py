@@ -96,7 +96,7 @@ SHARDED_DIR = "sharded"  # a multi-rank training checkpoint's tensors (weights +
 
 
 def state_json(session: SessionState) -> dict[str, Any]:
-    config = getattr(session.policy, "config", None)
+    config = session.policy.config
     state = {
         "format": CHECKPOINT_FORMAT,
         "kind": session.policy.kind,
@@ -104,7 +104,7 @@ def state_json(session: SessionState) -> dict[str, Any]:
         "step": session.step,
         "trainer_step": session.versions.trainer_step,
         "lora_config": None if config is None else config.model_dump(),
-        "lora_seed": getattr(session.policy, "seed", None),
+        "lora_seed": session.policy.seed,
         "rng_seed": session.rng_seed,
         "session_spec": json.loads(session.spec.model_dump_json()),
         "resource_spec": json.loads(session.resource.spec.model_dump_json()),
@@ -146,7 +146,7 @@ def _dcp_save(tensors: dict[str, torch.Tensor], directory: Path, comm: Communica
 
     directory.mkdir(parents=True, exist_ok=True)
     writer = HuggingFaceStorageWriter(str(directory), save_distributed=True)
-    dcp.save(dict(tensors), storage_writer=writer, process_group=getattr(comm, "control", None))
+    dcp.save(dict(tensors), storage_writer=writer, process_group=comm.control)
 
 
 def read_state(path: Path) -> dict[str, Any]:
@@ -246,7 +246,7 @@ def _dcp_load(session: SessionState, path: Path, load_optimizer: bool, field: st
                 )
                 slots[name][slot] = targets[key] = value
     reader = HuggingFaceStorageReader(str(directory))
-    dcp.load(targets, storage_reader=reader, process_group=getattr(session.comm, "control", None))
+    dcp.load(targets, storage_reader=reader, process_group=session.comm.control)
     for name, state in slots.items():
         session.optimizer.state[trainable[name]] = state
 

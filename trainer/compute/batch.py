@@ -327,10 +327,10 @@ def pack(
             used = 0
         batches[-1].append(row)
         used += size
-    return [_build(group) for group in batches]
+    return [build_micro_batch(group) for group in batches]
 
 
-def _build(rows: list[list[PreparedSample]]) -> MicroBatch:
+def build_micro_batch(rows: list[list[PreparedSample]]) -> MicroBatch:
     width = max(sum(s.length for s in row) for row in rows)
     tokens = torch.zeros(len(rows), width, dtype=torch.long)
     positions = torch.zeros(len(rows), width, dtype=torch.long)

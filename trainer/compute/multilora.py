@@ -9,15 +9,15 @@ model apply, for each contiguous range of flattened token positions, that range'
 with one matmul pair per (layer, segment) and no per-token Python. Positions outside every
 segment, and segments whose adapter is None or absent from a layer, get `base(x)`. Gradients
 reach an adapter's `lora_A`/`lora_B` only from its own positions, and only when those
-parameters require grad at forward time (`LoraPolicy._activate` leaves one adapter trainable:
-a caller merging sessions sets `requires_grad_(True)` on each of them first).
+parameters require grad at forward time (`LoraPolicy` activates one adapter trainable: a caller
+running several sessions' adapters makes each of them trainable first, `policy.train_only`).
 
 Positions are those of `x.reshape(-1, in_features)`: a packed row `[1, N, H]` or padded rows
 `[B, T, H]` (row b, column t is position `b * T + t`), the same in every layer. A *run* is a
 group of segments next to each other both in the list and in positions, with one adapter: it
 is computed (and draws its dropout mask) as one. A layer fed other positions than the decoder's
 is not covered: the engine's head is applied to the kept positions only, in chunks, and outside
-the layer's forward (`logprobs.linear_terms` reads the active adapter), so a merged pass runs
+the layer's forward (`logprobs.linear_terms` reads the active adapter), so a shared pass runs
 the decoder under `segmented` and the head per adapter.
 
 Dropout and randomness (train mode, dropout > 0): each run draws one Bernoulli mask of shape

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -21,11 +21,15 @@ from trainer.compute.model import default_device, load_base_model
 from trainer.compute.policy import FullPolicy, Policy
 from trainer.contract.specs import ModelEntry
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 
 class Communicator(Protocol):
     rank: int
     world_size: int
     device: torch.device  # where its tensor collectives take their tensors
+    control: ProcessGroup | None  # the process group of its collectives (None: one process)
 
     def broadcast_json(self, obj: Any = None) -> Any:
         """Rank 0's `obj` on every rank."""
@@ -51,6 +55,7 @@ class Solo:
     rank: int = 0
     world_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    control: ProcessGroup | None = None
 
     def broadcast_json(self, obj: Any = None) -> Any:
         return obj

@@ -18,7 +18,7 @@ import contextlib
 import copy
 import json
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed
@@ -32,9 +32,17 @@ from trainer.compute.model import (
 )
 from trainer.contract.specs import LoraConfig
 
+if TYPE_CHECKING:
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import PeftModel
+    from peft.tuners.lora import LoraModel
+
 
 class Policy(abc.ABC):
-    """Interface shared by the LoRA and the full-weight policies."""
+    """Interface shared by the LoRA and the full-weight policies.
+
+    What the schedulers and the checkpoint layout ask of a policy are its properties below:
+    the LoRA facts are None, False or empty for full weights."""
 
     kind: str
     trainable: dict[str, nn.Parameter]
@@ -43,6 +51,43 @@ class Policy(abc.ABC):
     @abc.abstractmethod
     def model(self) -> Any:
         """The transformers model whose forward uses the active weights."""
+
+    @property
+    def config(self) -> LoraConfig | None:
+        """The LoRA config it trains with (rank, alpha, dropout, head); None: full weights."""
+        return None
+
+    @property
+    def seed(self) -> int | None:
+        """The seed its LoRA weights were initialised from; None: full weights."""
+        return None
+
+    @property
+    def adapter(self) -> str | None:
+        """The name of its trainable peft adapter; None: full weights."""
+        return None
+
+    @property
+    def published_adapter(self) -> str | None:
+        """The name of the peft adapter the generator samples with; None: full weights."""
+        return None
+
+    @property
+    def peft(self) -> PeftModel | None:
+        """The resource's peft model, which holds its adapters; None: full weights."""
+        return None
+
+    @property
+    def segmentable(self) -> bool:
+        """Whether `trainer.compute.multilora.segmented` can run its adapter next to other
+        sessions' in one forward (shared passes, batched samples): LoRA on modules only."""
+        return False
+
+    @property
+    def expert_factors(self) -> dict[str, int]:
+        """Canonical name -> number of experts, for the LoRA factors of fused expert stacks
+        (empty: none, or full weights)."""
+        return {}
 
     @contextlib.contextmanager
     def training(self, train: bool) -> Iterator[None]:
@@ -84,7 +129,6 @@ class Policy(abc.ABC):
                 snapshot[name].copy_(held)
 
     @abc.abstractmethod
-    @abc.abstractmethod
     def export_parts(self) -> tuple[Any, dict[str, torch.Tensor], Any]:
         """What an inference export needs: the model whose weights are merged, the LoRA deltas
         to merge into them (none for full weights), and the PEFT adapter as
@@ -118,13 +162,46 @@ class Policy(abc.ABC):
         """Release what this policy holds on the resource."""
 
 
+class SharedPeft:
+    """A LoRA resource's one peft model: its first session's policy wraps the base model in
+    it, each later one adds its adapters to it. None before the first session and once the
+    resource has closed."""
+
+    def __init__(self) -> None:
+        self.model: PeftModel | None = None
+
+    def add(self, base: nn.Module, config: PeftLoraConfig, name: str) -> PeftModel:
+        """Adapter `name` with peft LoRA config `config`, on the shared model."""
+        if self.model is None:
+            from peft import get_peft_model
+
+            self.model = cast("PeftModel", get_peft_model(base, config, adapter_name=name))
+        else:
+            self.model.add_adapter(name, config)
+        return self.model
+
+    def close(self) -> None:
+        self.model = None
+
+
+def train_only(peft: nn.Module, adapters: set[str]) -> None:
+    """Exactly these adapters' LoRA weights of `peft` take gradients (peft's `set_adapter`
+    may leave others trainable)."""
+    for module in peft.modules():
+        if hasattr(module, "lora_A"):
+            layer: Any = module
+            for key in layer.lora_A:
+                layer.lora_A[key].requires_grad_(key in adapters)
+                layer.lora_B[key].requires_grad_(key in adapters)
+
+
 class LoraPolicy(Policy):
     kind = "lora"
 
     def __init__(
         self,
         resource_model: Any,
-        peft_holder: dict[str, Any],
+        shared: SharedPeft,
         name: str,
         config: LoraConfig,
         seed: int,
@@ -132,8 +209,8 @@ class LoraPolicy(Policy):
     ) -> None:
         self.name = name
         self.pub_name = f"{name}p"
-        self.config = config
-        self.seed = seed
+        self._config = config
+        self._seed = seed
         peft_config = peft_lora_config(resource_model, config)
         # Once a first adapter is in, the linear leaves include peft's own (`base_layer`, the
         # adapters' names): they are not targets, and must not reach adapter_config.json.
@@ -146,40 +223,66 @@ class LoraPolicy(Policy):
         peft_config.target_modules = set(peft_config.target_modules) - inner
         with quiet_peft_warnings(), torch.random.fork_rng(devices=cuda_devices()):
             torch.manual_seed(seed)
-            if peft_holder.get("model") is None:
-                from peft import get_peft_model
-
-                peft_holder["model"] = get_peft_model(
-                    resource_model, peft_config, adapter_name=name
-                )
-            else:
-                peft_holder["model"].add_adapter(name, peft_config)
-            self.peft = peft_holder["model"]
+            self._peft = shared.add(resource_model, peft_config, name)
             if with_generator:
-                self.peft.add_adapter(self.pub_name, peft_config)
+                self._peft.add_adapter(self.pub_name, peft_config)
         self.with_generator = with_generator
         suffix = f".{name}."
         self.trainable = {
-            n.replace(suffix, "."): p for n, p in self.peft.named_parameters() if suffix in n
+            n.replace(suffix, "."): p for n, p in self._peft.named_parameters() if suffix in n
         }
         self._pub = {
             n.replace(f".{self.pub_name}.", "."): p
-            for n, p in self.peft.named_parameters()
+            for n, p in self._peft.named_parameters()
             if f".{self.pub_name}." in n
         }
-        self.expert_factors = self._expert_factors()
+        self._expert_factors = self._find_expert_factors()
         # LoRA on parameters (peft's ParamWrapper: an MoE block's fused experts) is beyond
-        # `trainer.compute.multilora.segmented` (merged passes, batched samples): such sessions run
-        # alone
-        self.segmentable = not any(
-            hasattr(m, "parameter_name") and name in m.lora_A for m in self.peft.modules()
+        # `trainer.compute.multilora.segmented` (shared passes, batched samples): such
+        # sessions run alone
+        self._segmentable = not any(
+            hasattr(m, "parameter_name") and name in cast(Any, m).lora_A
+            for m in self._peft.modules()
         )
         self.trainable_requires_grad()
         self.publish()
 
     @property
+    def _tuner(self) -> LoraModel:
+        """peft's LoRA tuner inside the shared model (it holds every adapter)."""
+        return cast("LoraModel", self._peft.base_model)
+
+    @property
     def model(self) -> Any:
-        return self.peft.base_model.model
+        return self._tuner.model
+
+    @property
+    def config(self) -> LoraConfig:
+        return self._config
+
+    @property
+    def seed(self) -> int:
+        return self._seed
+
+    @property
+    def adapter(self) -> str:
+        return self.name
+
+    @property
+    def published_adapter(self) -> str:
+        return self.pub_name
+
+    @property
+    def peft(self) -> PeftModel:
+        return self._peft
+
+    @property
+    def segmentable(self) -> bool:
+        return self._segmentable
+
+    @property
+    def expert_factors(self) -> dict[str, int]:
+        return self._expert_factors
 
     def trainable_requires_grad(self) -> None:
         for param in self.trainable.values():
@@ -187,13 +290,8 @@ class LoraPolicy(Policy):
 
     def _activate(self, adapter: str) -> None:
         with quiet_peft_warnings():
-            self.peft.base_model.set_adapter(adapter)
-        for module in self.peft.modules():  # set_adapter may leave other adapters trainable
-            if hasattr(module, "lora_A"):
-                for key in module.lora_A:
-                    trainable = key == adapter
-                    module.lora_A[key].requires_grad_(trainable)
-                    module.lora_B[key].requires_grad_(trainable)
+            self._tuner.set_adapter(adapter)
+        train_only(self.peft, {adapter})
 
     def _activate_trainable(self) -> nn.Module:
         self._activate(self.name)
@@ -233,7 +331,7 @@ class LoraPolicy(Policy):
                 deltas[path] = module.get_delta_weight(self.name).detach()
         return deltas
 
-    def _expert_factors(self) -> dict[str, int]:
+    def _find_expert_factors(self) -> dict[str, int]:
         """Canonical name -> number of experts, for the LoRA factors of fused expert stacks
         (peft's ParamWrapper: `lora_A` is (experts·r, in), `lora_B` is (out, r·experts))."""
         suffix = f".{self.name}."
@@ -260,7 +358,7 @@ class LoraPolicy(Policy):
                         # peft refuses to delete the last adapter: zero it and keep it idle
                         self._zero(adapter)
                         continue
-                    self.peft.base_model.delete_adapter(adapter)
+                    self._tuner.delete_adapter(adapter)
 
     def _zero(self, adapter: str) -> None:
         with torch.no_grad():

@@ -24,9 +24,9 @@ collective_timeout_s`: a dead or stuck rank) → the group is *broken*: the oper
 an `INTERNAL_ERROR` that names each failing rank with its exception type and message, every
 later call fails at once, and the workers exit. Commands are serialised by one lock: one
 operation at a time across the whole worker, whatever the resource or session, except that
-concurrent forward(-backward) calls of a LoRA resource's sessions are merged by rank 0's
-scheduler into one `merged_pass` command (`merged`): one pass on every rank, one outcome per
-call (a call's failure is its own).
+concurrent forward(-backward) calls of a LoRA resource's sessions are grouped by rank 0's
+combiner into one `pass_group` command (`batching`): shared passes on every rank, one outcome
+per call (a call's failure is its own).
 
 Sharding. The model is loaded on the CPU by every rank (in the compute dtype, with the
 attention of the compute device: the same packed varlen path as one process), then

@@ -17,6 +17,9 @@ class FollowerStore:
 
     def __init__(self) -> None:
         self.known: dict[str, CheckpointRecord] = {}
+        # no storage root of its own (rank 0 has it): whatever these ranks would keep beside
+        # checkpoints (run logs) goes under the working directory
+        self.root = Path(".")
 
     def open(self, checkpoint_id: str) -> tuple[CheckpointRecord, dict[str, Any]]:
         if checkpoint_id not in self.known:

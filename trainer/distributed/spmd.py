@@ -19,11 +19,12 @@ from pydantic import TypeAdapter
 from trainer.checkpoint.store import CheckpointCorrupt, CheckpointRecord, CheckpointStore
 from trainer.contract.errors import OperationError
 from trainer.contract.options import EngineOptions
-from trainer.contract.specs import ModelEntry, ResourceSpec, SessionSpec
-from trainer.distributed.batching import MERGED_OP, DistributedMerger, run_group
+from trainer.contract.specs import LoraConfig, ModelEntry, ResourceSpec, SessionSpec
+from trainer.distributed.batching import PASS_GROUP_OP, DistributedBatcher, run_group
 from trainer.distributed.comm import Comm
 from trainer.distributed.follower_store import FollowerStore
 from trainer.distributed.sharding import Sharded
+from trainer.engine.batching.work import WorkItem
 from trainer.engine.faults import fault_point
 from trainer.engine.resource import ModelResource
 from trainer.engine.session import TrainingSession
@@ -69,6 +70,13 @@ def _session_op(session: TrainingSession, op: str, args: dict[str, Any]) -> Any:
     return method(**decode_args(method, args))
 
 
+def _work_item(session: TrainingSession, op: str, args: dict[str, Any]) -> WorkItem:
+    """Every rank: the work item of pass operation `op`, from its JSON args, not run yet."""
+    if op not in TrainingSession.PASS_OPERATIONS:
+        raise ValueError(f"{op!r} is not a pass operation")
+    return session.work_item(op, decode_args(getattr(session, op), args))
+
+
 class Executor:
     """Runs commands on this rank's replica of the engine objects."""
 
@@ -107,8 +115,8 @@ class Executor:
         if op == "close_session":
             resource.close_session(command["session"])
             return None
-        if op == MERGED_OP:  # several sessions' calls in one pass (`merged.py`)
-            return run_group(resource, command["calls"], _session_op)
+        if op == PASS_GROUP_OP:  # several sessions' calls, in shared passes (`batching.py`)
+            return run_group(resource, command["calls"], _work_item)
         session = resource.sessions[command["session"]]
         return _session_op(session, op, command["args"])
 
@@ -241,27 +249,31 @@ class DistributedSession:
         spmd: Spmd,
         resource_id: str,
         local: TrainingSession,
-        merger: DistributedMerger | None = None,
+        batcher: DistributedBatcher | None = None,
     ) -> None:
         self._spmd = spmd
         self._resource_id = resource_id
         self.local = local
         self.id = local.id
-        self._merger = merger
+        self._batcher = batcher
 
     def _forward(self, op: str, *args: Any, **kwargs: Any) -> Any:
-        """Run the session method `op` on every rank; rank 0's result. A mergeable call may
-        share one pass with other sessions' calls (`merged.py`)."""
+        """Run the session method `op` on every rank; rank 0's result. A call that may share
+        a pass goes with other sessions' concurrent calls (`batching.py`)."""
         encoded = encode_args(getattr(self.local, op), *args, **kwargs)
-        if self._merger is not None and self._merger.wants(self.local, op):
+        if self._batcher is not None and self._batcher.wants(self.local, op):
             window = self.local.options.merge_window_ms
-            return self._merger.run(self.id, op, encoded, window)
+            return self._batcher.run(self.id, op, encoded, window)
         command = {"op": op, "resource": self._resource_id, "session": self.id, "args": encoded}
         return self._spmd.call(command)
 
     @property
     def step(self) -> int:
         return self.local.step
+
+    @property
+    def lora_config(self) -> LoraConfig | None:
+        return self.local.lora_config
 
     def policy_state(self) -> dict[str, Any]:
         return self.local.policy_state()
@@ -296,7 +308,7 @@ class DistributedResource:
         self.local = cast(ModelResource, spmd.call(command, store=store))
         self.lora = self.local.lora
         self.entry, self.spec, self.store = self.local.entry, self.local.spec, self.local.store
-        self.merger = DistributedMerger(self.id, self.local, spmd.call)
+        self.batcher = DistributedBatcher(self.id, spmd.call)
 
     def __getattr__(self, name: str) -> Any:  # has_generator, vocab_size, tokenizer, ...
         return getattr(self.local, name)
@@ -315,7 +327,7 @@ class DistributedResource:
             "checkpoints": checkpoints,
         }
         local = cast(TrainingSession, self._spmd.call(command))
-        return DistributedSession(self._spmd, self.id, local, self.merger)
+        return DistributedSession(self._spmd, self.id, local, self.batcher)
 
     def counters(self) -> dict[str, int]:
         return self.local.counters()

@@ -125,7 +125,7 @@ class SamplingSession(Protocol):
     versions: Versions
     options: EngineOptions
     active: bool
-    _cpu_rng: torch.Tensor  # the session's CPU RNG state between operations
+    cpu_rng: torch.Tensor  # the session's CPU RNG state between operations
 
     @property
     def comm(self) -> Communicator:

@@ -5,24 +5,32 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+from trainer.engine.batching.work import SharingResource
 
 if TYPE_CHECKING:
-    from trainer.compute.placement import Communicator, Placement
+    from trainer.checkpoint.store import CheckpointStore
     from trainer.contract.specs import ModelEntry, ResourceSpec
+    from trainer.engine.batching.pass_scheduler import PassScheduler
+    from trainer.engine.batching.sample_batch import SampleBatcher
 
 
-class ResourceHandle(Protocol):
-    """What a session uses of its resource."""
+class ResourceHandle(SharingResource, Protocol):
+    """What a session uses of its resource (`ModelResource`): what a pass reads of it
+    (`SharingResource`), and the rest below."""
 
     entry: ModelEntry
     spec: ResourceSpec
-    store: Any  # the checkpoint catalogue (`CheckpointStore`; `FollowerStore` on ranks ≠ 0)
-    lock: Any  # the compute lock operations hold
-    device: torch.device
-    comm: Communicator
-    placement: Placement
-    tokenizer: Any
+    tokenizer: Any  # the model's transformers tokenizer (None: the model has none)
     vocab_size: int
     eos_ids: set[int]
     has_generator: bool
+    # the batcher of concurrent samples, made by the first sample that may join one
+    sample_batcher: SampleBatcher | None
+
+    @property
+    def store(self) -> CheckpointStore:
+        """The checkpoint catalogue (`FollowerStore` on ranks ≠ 0, which lists nothing)."""
+
+    @property
+    def scheduler(self) -> PassScheduler:
+        """Runs the forward(-backward) calls of its sessions, shared passes where they may."""

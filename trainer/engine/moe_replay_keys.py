@@ -159,7 +159,7 @@ _STORES_LOCK = threading.Lock()
 
 def store_for(session: Any) -> RouteStore:
     """The key store under the session's storage root, with its `[engine]` limits."""
-    root = Path(str(getattr(session.resource.store, "root", "."))).resolve()
+    root = Path(str(session.resource.store.root)).resolve()
     with _STORES_LOCK:
         store = _STORES.get(root)
         if store is None:

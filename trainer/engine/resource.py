@@ -28,13 +28,14 @@ from trainer.compute.model import (
     with_context_limit,
 )
 from trainer.compute.placement import Placement, Plain
-from trainer.compute.policy import LoraPolicy, Policy, layout_like
+from trainer.compute.policy import LoraPolicy, Policy, SharedPeft, layout_like
 from trainer.contract.errors import OperationError, invalid
 from trainer.contract.optimizer import optimizer_kind
 from trainer.contract.options import EngineOptions
 from trainer.contract.specs import LoraConfig, ModelEntry, ResourceSpec, SessionSpec
-from trainer.engine.batching.pass_scheduler import MergeScheduler
-from trainer.engine.batching.sample_batch import sample_counters
+from trainer.engine.batching.eligibility import model_has_dropout
+from trainer.engine.batching.pass_scheduler import PassScheduler
+from trainer.engine.batching.sample_batch import SampleBatcher, sample_counters
 from trainer.engine.session import TrainingSession
 
 
@@ -70,9 +71,12 @@ class ModelResource:
             self.model.enable_input_require_grads()
         self.lora = spec.lora_enabled
         self.has_generator = spec.compute_config.num_generator_replicas > 0
+        self.model_dropout = model_has_dropout(self.model.config)
         self.sessions: dict[str, TrainingSession] = {}
-        self.scheduler = MergeScheduler(self)  # batches LoRA sessions' calls
-        self._peft: dict[str, Any] = {"model": None}
+        self.peft = SharedPeft()  # the peft model of the LoRA sessions' adapters
+        # forward(-backward) passes, shared by LoRA sessions' concurrent calls where they may
+        self.scheduler = PassScheduler(self)
+        self.sample_batcher: SampleBatcher | None = None  # made by a first batchable sample
         self._adapters = 0
         self._base_dirty = False
         self._base_tied = is_tied(self.model)
@@ -127,7 +131,7 @@ class ModelResource:
             self._adapters += 1
             policy = LoraPolicy(
                 self.model,
-                self._peft,
+                self.peft,
                 f"s{self._adapters}",
                 lora_config,
                 lora_seed,
@@ -301,7 +305,7 @@ class ModelResource:
             for session_id in list(self.sessions):
                 self.close_session(session_id)
             self.model = None  # type: ignore[assignment]
-            self._peft = {"model": None}
+            self.peft.close()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 

@@ -18,7 +18,9 @@ One code path for any world size: the resource's placement (`trainer/compute/pla
 where the model lives and gives the communicator. In one process (`Plain`, `Solo`) every
 collective is an identity; under torchrun (`distributed.sharding.Sharded`, `distributed.comm`)
 each rank runs its share of the samples, as many micro-batches as the busiest rank, and the
-losses, metrics, finite checks and gradient norm are global. The optimizer is `optim.py`; the
+losses, metrics, finite checks and gradient norm are global. A forward(-backward) call runs as
+a pass (`batching/train_pass.py`), alone or shared with other sessions' calls; the session is
+what the pass sees of it (`batching/work.py`: `PassSession`). The optimizer is `optim.py`; the
 checkpoint layout is `checkpoint/layout.py`.
 """
 
@@ -28,35 +30,17 @@ import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from trainer.checkpoint import layout
 from trainer.checkpoint.store import INFERENCE, TRAINING, CheckpointRecord, write_json
 from trainer.compute import optim
-from trainer.compute.batch import (
-    MicroBatch,
-    PreparedSample,
-    check_rules,
-    loss_norm,
-    pack,
-    prepare_samples,
-)
-from trainer.compute.logprobs import batch_logprobs
+from trainer.compute.batch import MicroBatch, PreparedSample, check_rules, prepare_samples
 from trainer.compute.losses import LossInputs, LossOutputs, custom_loss, pick_loss
-from trainer.compute.moe_replay import replaying
 from trainer.compute.muon import MuonWithAdamW, muon_step, new_muon
 from trainer.compute.policy import Policy, cuda_devices
-from trainer.compute.rounds import (
-    add_metrics,
-    call_result,
-    collect_outputs,
-    empty_batch,
-    merge_reports,
-    new_sums,
-    split_by_tokens,
-)
 from trainer.contract.errors import OperationError
 from trainer.contract.muon_params import MuonParams
 from trainer.contract.optimizer import optimizer_kind
@@ -64,13 +48,14 @@ from trainer.contract.options import EngineOptions
 from trainer.contract.specs import (
     AdamParams,
     Gradient,
+    LoraConfig,
     LossConfig,
     ModelInput,
     Sample,
     SamplingParams,
     SessionSpec,
 )
-from trainer.engine.faults import fault_point
+from trainer.engine.batching.work import GradStash, WorkItem
 from trainer.engine.generator import Generator, Undo, Versions, sync_weights
 from trainer.engine.in_process import generator_for
 from trainer.engine.moe_replay_keys import attach_routes
@@ -94,6 +79,9 @@ class TrainingSession:
         "save_training_checkpoint",
         "save_inference_checkpoint",
     )
+    # the operations that run as a forward(-backward) pass, shared with other sessions' calls
+    # where they may (`work_item`)
+    PASS_OPERATIONS: ClassVar[tuple[str, ...]] = ("forward_backward", "custom_forward_backward")
 
     resource: ResourceHandle
     id: str
@@ -115,22 +103,28 @@ class TrainingSession:
             new_muon(
                 self.policy.trainable,
                 config["muon"]["scaling_strategy"],
-                getattr(self.policy, "expert_factors", None),  # LoRA on MoE experts
+                self.policy.expert_factors,  # LoRA on MoE experts
             )
             if optimizer_kind(config) == "muon"
             else optim.new_adamw(list(self.policy.trainable.values()))
         )
         gen = torch.Generator().manual_seed(self.rng_seed)
-        self._cpu_rng = gen.get_state()
-        self._cuda_rng = [torch.cuda.get_rng_state(i) for i in cuda_devices()]
+        # the session's RNG stream between operations (`operation_scope` swaps it in)
+        self.cpu_rng = gen.get_state()
+        self.cuda_rng = [torch.cuda.get_rng_state(i) for i in cuda_devices()]
         self.tracker = worker_run(
-            self.id, self.spec.metadata.model_dump(), str(getattr(self.resource.store, "root", "."))
+            self.id, self.spec.metadata.model_dump(), str(self.resource.store.root)
         )
 
     # -- state -----------------------------------------------------------------------------
 
     def policy_state(self) -> dict[str, Any]:
         return self.versions.as_dict()
+
+    @property
+    def lora_config(self) -> LoraConfig | None:
+        """The LoRA config it trains with (a resumed checkpoint's own); None: full weights."""
+        return self.policy.config
 
     def restore_counters(self, step: int, trainer_step: int) -> None:
         """A resumed checkpoint's counters: the generator serves the weights it saved."""
@@ -159,8 +153,8 @@ class TrainingSession:
             raise OperationError("SESSION_NOT_ACTIVE", f"session {self.id} is not running")
         devices = cuda_devices()
         with self.resource.lock, torch.random.fork_rng(devices=devices):
-            torch.set_rng_state(self._cpu_rng)
-            for i, state in zip(devices, self._cuda_rng):
+            torch.set_rng_state(self.cpu_rng)
+            for i, state in zip(devices, self.cuda_rng):
                 torch.cuda.set_rng_state(state, i)
             saved = (self.step, replace(self.versions))
             undo: Undo = []
@@ -171,8 +165,8 @@ class TrainingSession:
                     action()
                 self.step, self.versions = saved
                 raise
-            self._cpu_rng = torch.get_rng_state()
-            self._cuda_rng = [torch.cuda.get_rng_state(i) for i in devices]
+            self.cpu_rng = torch.get_rng_state()
+            self.cuda_rng = [torch.cuda.get_rng_state(i) for i in devices]
 
     def _prepare(
         self,
@@ -194,7 +188,7 @@ class TrainingSession:
         attach_routes(self, samples, prepared)  # MoE routing replay (rule 12)
         return prepared
 
-    # -- forward / backward ----------------------------------------------------------------
+    # -- forward / backward (the pass: `batching/train_pass.py`) -----------------------------
 
     def forward_backward(
         self,
@@ -210,6 +204,32 @@ class TrainingSession:
         `logprobs_unmasked` (the Tinker face): `loss_fn_outputs` hold lp_t at every position,
         masked ones included (Part B rule 4 zeroes them otherwise); loss, gradients and metrics
         are unchanged."""
+        return self._run(
+            self.forward_backward_item(
+                loss,
+                samples,
+                forward_only=forward_only,
+                return_loss_fn_outputs=return_loss_fn_outputs,
+                logprobs_unmasked=logprobs_unmasked,
+            )
+        )
+
+    def custom_forward_backward(
+        self, samples: list[Sample], gradients: list[Gradient]
+    ) -> dict[str, Any]:
+        """Backpropagate Σ_t m_t · g_t · lp_t with the client's per-token gradients g."""
+        return self._run(self.custom_forward_backward_item(samples, gradients))
+
+    def forward_backward_item(
+        self,
+        loss: LossConfig,
+        samples: list[Sample],
+        *,
+        forward_only: bool = False,
+        return_loss_fn_outputs: bool = False,
+        logprobs_unmasked: bool = False,
+    ) -> WorkItem:
+        """`forward_backward`'s call, validated and prepared, not run yet."""
         spec, params = loss.spec, loss.params()
         prepared = self._prepare(samples, spec.required, weights_are_mask=spec.weights_are_mask)
         for sample in prepared:
@@ -220,16 +240,18 @@ class TrainingSession:
         def fn(inputs: LossInputs, _: MicroBatch) -> LossOutputs:
             return compute(inputs)
 
-        result = self._run(prepared, fn, forward_only, return_loss_fn_outputs)
-        if self.tracker is not None and not forward_only:
-            metrics = {f"train/{k}": v for k, v in result["metrics"].items()}
-            self.tracker.log(self.step, {"train/loss": result["loss"], **metrics})
-        return result
+        def after(result: dict[str, Any]) -> dict[str, Any]:
+            if self.tracker is not None and not forward_only:
+                metrics = {f"train/{k}": v for k, v in result["metrics"].items()}
+                self.tracker.log(self.step, {"train/loss": result["loss"], **metrics})
+            return result
 
-    def custom_forward_backward(
+        return WorkItem.of(self, prepared, fn, forward_only, return_loss_fn_outputs, after)
+
+    def custom_forward_backward_item(
         self, samples: list[Sample], gradients: list[Gradient]
-    ) -> dict[str, Any]:
-        """Backpropagate Σ_t m_t · g_t · lp_t with the client's per-token gradients g."""
+    ) -> WorkItem:
+        """`custom_forward_backward`'s call, validated and prepared, not run yet."""
         prepared = self._prepare(samples, gradients=gradients)
 
         def fn(inputs: LossInputs, batch: MicroBatch) -> LossOutputs:
@@ -237,185 +259,42 @@ class TrainingSession:
             assert grads is not None
             return custom_loss(inputs, grads.to(inputs.logprobs_P.device))
 
-        self._run(prepared, fn, forward_only=False, return_outputs=False)
-        return {}
+        return WorkItem.of(self, prepared, fn, False, False, lambda _: {})
 
-    def _run(
-        self,
-        prepared: list[PreparedSample],
-        fn: Callable[[LossInputs, MicroBatch], LossOutputs],
-        forward_only: bool,
-        return_outputs: bool,
-    ) -> dict[str, Any]:
-        """Through the resource's scheduler (`batching/pass_scheduler.py`: merged with other
-        sessions' calls)
-        when it has one, else alone."""
-        scheduler = getattr(self.resource, "scheduler", None)
-        if scheduler is not None:
-            result = scheduler.run(self, prepared, fn, forward_only, return_outputs)
-            return cast(dict[str, Any], result)
-        return self._run_alone(prepared, fn, forward_only, return_outputs)
+    def work_item(self, op: str, kwargs: dict[str, Any]) -> WorkItem:
+        """The call of pass operation `op` (one of `PASS_OPERATIONS`) with these keyword
+        arguments, validated and prepared, not run yet: under torchrun every rank builds the
+        calls of one grouped command this way, then runs their passes."""
+        if op == "forward_backward":
+            return self.forward_backward_item(**kwargs)
+        if op == "custom_forward_backward":
+            return self.custom_forward_backward_item(**kwargs)
+        raise ValueError(f"{op!r} is not a pass operation")
 
-    def _run_alone(
-        self,
-        prepared: list[PreparedSample],
-        fn: Callable[[LossInputs, MicroBatch], LossOutputs],
-        forward_only: bool,
-        return_outputs: bool,
-    ) -> dict[str, Any]:
-        norm = loss_norm(prepared)
-        batches = self._pack(prepared)
-        with self.operation_scope(), self.policy.training(train=not forward_only):
-            stash = None if forward_only else self._stash_grads()
-            try:
-                result = self._run_batches(batches, norm, fn, forward_only, return_outputs)
-                if not forward_only:
-                    self._check_new_grads()
-            except BaseException:
-                if stash is not None:
-                    self._restore_grads(stash)
-                raise
-            if stash is not None:
-                self._merge_grads(stash)
-        return result
+    def _run(self, item: WorkItem) -> dict[str, Any]:
+        """Through the resource's scheduler: in a pass shared with other sessions' calls where
+        it may (`batching/pass_scheduler.py`), else in a pass of its own."""
+        self.resource.scheduler.run(item)
+        return item.outcome()
 
-    def _pack(self, prepared: list[PreparedSample]) -> list[MicroBatch]:
-        """The micro-batches this rank runs: its share of the call's samples (all of them in
-        one process)."""
-        mine = split_by_tokens(prepared, self.comm.world_size)[self.comm.rank]
-        if not mine:
-            return []
-        return pack(
-            mine, row_tokens=self.options.row_tokens, token_budget=self.options.token_budget
-        )
+    # -- what a pass uses (`batching/work.py`: `PassSession`): the new gradients kept apart
+    # until they are known to be finite; the RNG stream is `cpu_rng` -------------------------
 
-    def _run_batches(
-        self,
-        batches: list[MicroBatch],
-        norm: Any,
-        fn: Callable[[LossInputs, MicroBatch], LossOutputs],
-        forward_only: bool,
-        return_outputs: bool,
-    ) -> dict[str, Any]:
-        """Every rank runs as many micro-batches as the busiest one (`empty_batch` when it has
-        none left) and no rank raises mid-call: the first failure is kept, every rank runs the
-        same collectives, and all fail together once the reports are exchanged."""
-        total = 0.0
-        sums = new_sums()
-        outputs: dict[int, list[float]] = {}
-        failure: list[str] | None = None
-        rounds = self.comm.max_int(len(batches))
-        try:
-            for i in range(rounds):
-                if failure is not None and self.comm.world_size == 1:
-                    break  # alone, nobody waits on our collectives: fail at once
-                fault_point("micro_batch")
-                real = i < len(batches)
-                batch = batches[i] if real else empty_batch()
-                with torch.set_grad_enabled(not forward_only):
-                    logprobs_P, entropy_P, link = self._logprobs(batch, forward_only)
-                    loss = link
-                    if real:
-                        out, failure = self._loss(fn, batch, logprobs_P, norm, failure)
-                        if out is not None:
-                            loss = out.loss + link
-                            total += float(out.loss.detach())
-                            add_metrics(sums, out.metrics)
-                if not forward_only and loss.requires_grad:
-                    loss.backward()
-                if real:
-                    if entropy_P is not None and any(s.keep_all for s in batch.samples):
-                        entropy_P = entropy_P[batch.mask_P().to(entropy_P.device) != 0]
-                    add_metrics(sums, {}, entropy_P)
-                if real and return_outputs:
-                    collect_outputs(batch, logprobs_P.detach().float().cpu(), outputs)
-        finally:
-            if forward_only:
-                self.resource.placement.reshard()
-        reports = self.comm.all_gather_json(
-            {"loss": total, "sums": sums, "outputs": outputs, "failure": failure}
-        )
-        for report in reports:  # the same reports on every rank: all raise, or none
-            if report["failure"] is not None:
-                raise OperationError(*report["failure"])
-        if not forward_only:
-            optim.sum_replicated_grads(list(self.policy.trainable.values()), self.comm)
-        loss_total, merged, merged_outputs = merge_reports(reports)
-        return call_result(loss_total, merged, merged_outputs if return_outputs else None, norm)
-
-    def _loss(
-        self,
-        fn: Callable[[LossInputs, MicroBatch], LossOutputs],
-        batch: MicroBatch,
-        logprobs_P: torch.Tensor,
-        norm: Any,
-        failure: list[str] | None,
-    ) -> tuple[LossOutputs | None, list[str] | None]:
-        """The micro-batch's loss, or None and the call's first failure."""
-        try:
-            out = fn(self._loss_inputs(batch, logprobs_P, norm), batch)
-        except ValueError as exc:
-            return None, failure or ["INVALID_INPUT", str(exc)]
-        if not torch.isfinite(out.loss):
-            return None, failure or ["NON_FINITE_LOSS", f"the loss is not finite ({out.loss})"]
-        return out, failure
-
-    def _logprobs(
-        self, batch: MicroBatch, with_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Logprobs (entropy) of the kept tokens, and the `link` that makes a backward reach
-        every parameter, computed the same way whatever the placement (packed varlen
-        attention, no `[rows, L, L]` mask, when the model's attention takes it)."""
-        with replaying(self.policy.model, batch):  # a keyed sample's recorded experts
-            return cast(
-                tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
-                self.resource.placement.run(
-                    self.policy.model,
-                    batch_logprobs,
-                    batch,
-                    self.device,
-                    self.options.chunk_tokens,
-                    with_entropy,
-                    backend=self.options.logprob_backend,
-                ),
-            )
-
-    def _loss_inputs(self, batch: MicroBatch, logprobs_P: torch.Tensor, norm: Any) -> LossInputs:
-        device = logprobs_P.device
-
-        def get(name: str) -> torch.Tensor | None:
-            value = batch.gather(name)
-            return None if value is None else value.to(device)
-
-        return LossInputs(
-            logprobs_P=logprobs_P,
-            sample_index_P=batch.sample_index_P.to(device),
-            num_samples=len(batch.samples),
-            mask_P=batch.mask_P().to(device),
-            norm=norm,
-            weights_P=get("weights"),
-            sampler_logprobs_P=get("logprobs"),
-            advantages_P=get("advantages"),
-            reference_logprobs_P=get("reference_logprobs"),
-        )
-
-    # -- gradients, kept apart until they are known to be finite ---------------------------
-
-    def _stash_grads(self) -> dict[str, torch.Tensor | None]:
+    def stash_grads(self) -> GradStash:
         stash = {}
         for name, param in self.policy.trainable.items():
             stash[name] = param.grad
             param.grad = None
         return stash
 
-    def _check_new_grads(self) -> None:
+    def check_new_grads(self) -> None:
         optim.check_finite_grads(list(self.policy.trainable.values()), self.comm)
 
-    def _restore_grads(self, stash: dict[str, torch.Tensor | None]) -> None:
+    def restore_grads(self, stash: GradStash) -> None:
         for name, param in self.policy.trainable.items():
             param.grad = stash[name]
 
-    def _merge_grads(self, stash: dict[str, torch.Tensor | None]) -> None:
+    def keep_grads(self, stash: GradStash) -> None:
         for name, param in self.policy.trainable.items():
             old = stash[name]
             if old is None:
@@ -512,26 +391,22 @@ class TrainingSession:
             session_id=self.id,
             step=self.step,
             base_model=self.resource.entry.name,
-            lora_rank=self._lora_rank(),
+            lora_rank=None if self.lora_config is None else int(self.lora_config.rank),
             writer=writer,
             meta={"kind": self.policy.kind, **meta},
         )
 
-    def _lora_rank(self) -> int | None:
-        config = getattr(self.policy, "config", None)
-        return None if config is None else int(config.rank)
-
     def rng_tensors(self) -> dict[str, torch.Tensor]:
         """The session's RNG states as a checkpoint holds them (copies)."""
-        rng = {"cpu": self._cpu_rng.clone()}
-        rng.update({f"cuda{i}": s.clone() for i, s in enumerate(self._cuda_rng)})
+        rng = {"cpu": self.cpu_rng.clone()}
+        rng.update({f"cuda{i}": s.clone() for i, s in enumerate(self.cuda_rng)})
         return rng
 
     def restore_rng(self, tensors: dict[str, torch.Tensor]) -> None:
-        self._cpu_rng = tensors["cpu"].clone()
-        for i in range(len(self._cuda_rng)):
+        self.cpu_rng = tensors["cpu"].clone()
+        for i in range(len(self.cuda_rng)):
             if f"cuda{i}" in tensors:
-                self._cuda_rng[i] = tensors[f"cuda{i}"].clone()
+                self.cuda_rng[i] = tensors[f"cuda{i}"].clone()
 
     def close(self) -> None:
         with self.resource.lock:

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from trainer.checkpoint.store import CheckpointStore
 from trainer.contract.options import EngineOptions
-from trainer.contract.specs import ModelEntry, ResourceSpec, SessionSpec
+from trainer.contract.specs import LoraConfig, ModelEntry, ResourceSpec, SessionSpec
 
 
 class EngineSession(Protocol):
@@ -22,6 +22,10 @@ class EngineSession(Protocol):
     def step(self) -> int: ...
 
     def policy_state(self) -> dict[str, Any]: ...
+
+    @property
+    def lora_config(self) -> LoraConfig | None:
+        """The LoRA config it trains with (a resumed checkpoint's own); None: full weights."""
 
     # the operations (forward_backward, optim_step, ...) are called by name from the operation
     # table, `trainer.serving.operations.OPERATIONS`, each with its own arguments

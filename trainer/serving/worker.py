@@ -78,8 +78,8 @@ def _check_adapter_rank(location: str, entry: ModelEntry) -> None:
 
 def _effective_lora(session: EngineSession, fallback: Any) -> Any:
     """The LoRA config the session trains with (a resumed checkpoint's own, not the request's)."""
-    config = getattr(getattr(session, "policy", None), "config", None)
-    return config.model_dump(mode="json") if isinstance(config, LoraConfig) else fallback
+    config = session.lora_config
+    return config.model_dump(mode="json") if config is not None else fallback
 
 
 @dataclass

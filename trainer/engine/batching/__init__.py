@@ -1,4 +1,6 @@
-"""Many LoRA sessions, one pass: the flat combiner (`combine`), which concurrent calls share a
-forward(-backward) pass (`pass_scheduler`) and the pass itself (`train_pass`), and concurrent
-samples as one generation batch (`sample_batch`). Part of the engine; same imports.
+"""Many LoRA sessions, one pass: a call as the pass sees it (`work`), the flat combiner
+(`combine`), which calls may share a pass or a generation batch (`eligibility`), the scheduler
+of forward(-backward) calls (`pass_scheduler`), the pass itself (`train_pass`) and how it runs
+the model (`pass_forward`), and concurrent samples as one generation batch (`sample_batch`).
+Part of the engine; same imports.
 """

@@ -4,8 +4,8 @@ Each caller thread (a session's operation thread) adds its item and waits. The f
 caller becomes the combiner: it waits out the merge window, takes the pending items that fit
 (`take`), runs them (`execute`), and marks every taken item done, with its result or its error,
 before another combiner starts; the callers whose items ran return. A session's thread waits
-for its own item, so each session's operations keep their FIFO order. Used by the merged
-forward-backward passes (`trainer/engine/batching/pass_scheduler.py`), rank 0's merged commands
+for its own item, so each session's operations keep their FIFO order. Used by the shared
+forward-backward passes (`trainer/engine/batching/pass_scheduler.py`), rank 0's grouped commands
 under torchrun
 (`trainer/distributed/batching.py`) and the sample batches
 (`trainer/engine/batching/sample_batch.py`).
@@ -26,9 +26,15 @@ class Item(Protocol):
     done: bool
     taken: bool
 
+    @property
+    def result(self) -> object:
+        """What `execute` gave the item when it succeeded (None until then)."""
+
 
 class SessionItem(Item, Protocol):
-    session: Any
+    @property
+    def session(self) -> object:
+        """Whose call it is: one item per session in a group."""
 
 
 T = TypeVar("T", bound=Item)
@@ -106,7 +112,7 @@ class Combiner(Generic[T]):
             if combining:
                 self._busy = False
             for each in taken:
-                if not each.done and each.error is None and getattr(each, "result", None) is None:
+                if not each.done and each.error is None and each.result is None:
                     each.error = RuntimeError("a combined group ended without this call's result")
                 each.done = True
             self._cond.notify_all()

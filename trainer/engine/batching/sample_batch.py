@@ -36,19 +36,18 @@ placement) with at least two live sessions; everything else samples alone.
 from __future__ import annotations
 
 import threading
-import weakref
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import nn
 
 from trainer.compute import sampler
-from trainer.compute.placement import Plain
 from trainer.compute.policy import LoraPolicy, Policy
 from trainer.compute.turns import TurnLock
 from trainer.contract.errors import OperationError
 from trainer.engine.batching.combine import Combiner, one_per_session
+from trainer.engine.batching.eligibility import can_share
 from trainer.engine.generator import (
     PromptSamples,
     SampleCall,
@@ -59,6 +58,9 @@ from trainer.engine.generator import (
     apply_pending,
     sample_alone,
 )
+
+if TYPE_CHECKING:
+    from trainer.contract.specs import ModelEntry
 
 
 class BatchGenerator(Protocol):
@@ -99,47 +101,43 @@ class SampleJob:
         return cast(LoraPolicy, self.generator.policy)
 
 
-_BATCHERS: weakref.WeakKeyDictionary[Any, SampleBatcher] = weakref.WeakKeyDictionary()
-_BATCHERS_LOCK = threading.Lock()
+class BatchingResource(Protocol):
+    """What the batcher uses of its resource (`ModelResource`)."""
+
+    entry: ModelEntry
+    sample_batcher: SampleBatcher | None  # made by the first sample that may join a batch
+
+    @property
+    def lock(self) -> TurnLock: ...
+
+
+_MAKING = threading.Lock()  # two sessions' first batchable samples make one batcher
 
 
 def batcher_for(session: SamplingSession) -> SampleBatcher | None:
     """The resource's batcher when this session's samples may be batched, else None."""
+    if not can_share(session, "sample"):
+        return None
     resource = session.resource
-    options = session.options
-    if not options.batch_samples or not getattr(resource, "lora", False):
-        return None
-    if session.comm.world_size != 1 or not isinstance(resource.placement, Plain):
-        return None
-    if not isinstance(resource.lock, TurnLock) or not hasattr(session.policy, "pub_name"):
-        return None
-    if not getattr(session.policy, "segmentable", True):
-        return None  # LoRA on MoE experts: `segmented` handles module layers only
-    if resource.lock.held_here():
-        return None  # a caller holding the lock: another combiner could not take it
-    sessions = list(getattr(resource, "sessions", {}).values())  # one C call: a snapshot
-    if sum(1 for other in sessions if other.active) < 2:
-        return None  # nobody to batch with: no window to wait out
-    with _BATCHERS_LOCK:
-        batcher = _BATCHERS.get(resource)
-        if batcher is None:
-            batcher = _BATCHERS[resource] = SampleBatcher(resource)
-    return batcher
+    with _MAKING:
+        if resource.sample_batcher is None:
+            resource.sample_batcher = SampleBatcher(resource)
+        return resource.sample_batcher
 
 
-def sample_counters(resource: Any) -> dict[str, int]:
+def sample_counters(resource: BatchingResource) -> dict[str, int]:
     """`sample_batches`: generations that held more than one session's sample;
     `batched_samples`: the samples that ran in those (0 and 0 before any)."""
-    batcher = _BATCHERS.get(resource)
+    batcher = resource.sample_batcher
     if batcher is None:
         return {"sample_batches": 0, "batched_samples": 0}
     return {"sample_batches": batcher.batches, "batched_samples": batcher.batched_jobs}
 
 
 class SampleBatcher:
-    """One per resource; counters for tests and metrics."""
+    """One per resource (`BatchingResource.sample_batcher`); counters for tests and metrics."""
 
-    def __init__(self, resource: Any) -> None:
+    def __init__(self, resource: BatchingResource) -> None:
         self.resource = resource
         self._combiner: Combiner[SampleJob] = Combiner(overlap=True)
         self.batches = 0  # generations of more than one job
@@ -199,7 +197,7 @@ class SampleBatcher:
             return
         for job, result in zip(jobs, results, strict=True):
             assert job.rng_after is not None
-            job.session._cpu_rng = job.rng_after
+            job.session.cpu_rng = job.rng_after
             job.result = result
         self.batches += 1
         self.batched_jobs += len(jobs)
@@ -229,7 +227,7 @@ def _begin(job: SampleJob) -> None:
     job.saved_versions = replace(session.versions)
     apply_pending(session, job.undo)
     rng = torch.Generator()
-    rng.set_state(session._cpu_rng)
+    rng.set_state(session.cpu_rng)
     job.seed = sampler.draw_seed(job.call.params.seed, rng)
     job.rng_after = rng.get_state()
 
