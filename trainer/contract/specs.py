@@ -3,6 +3,8 @@
 Every object a client or a config file can send is validated here, once, with a message that
 names the field. Names and enum spellings follow the hosted service's wire contract (the
 `together` SDK is the authority on shapes; `shared/docs/api-contract.md` Part B on semantics).
+The per-step optimizer params (`AdamParams`) are defined with the rest of the optimizer's
+settings in `trainer.contract.optimizer` and are importable from here too.
 
 Shape letters used across the package: B = samples in a call, T = tokens of one sample,
 N = tokens of a whole (micro-)batch flattened, V = vocabulary, H = hidden size.
@@ -18,7 +20,6 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import (
     AfterValidator,
-    BaseModel,
     ConfigDict,
     Field,
     PrivateAttr,
@@ -34,6 +35,9 @@ from trainer.contract.arrays import (
     check_finite,
     tensor_values,
 )
+from trainer.contract.base import Spec as Spec
+from trainer.contract.base import StrictSpec as StrictSpec
+from trainer.contract.optimizer import AdamParams as AdamParams
 from trainer.contract.optimizer import check_optimizer_config
 from trainer.contract.values import (
     MAX_LORA_ALPHA,
@@ -45,19 +49,6 @@ from trainer.contract.values import (
     check_temperature,
 )
 from trainer.contract.values import int_from_str as _int_from_str
-
-
-class Spec(BaseModel):
-    """Base for wire objects: unknown fields are ignored (the SDK may send newer ones)."""
-
-    model_config = ConfigDict(extra="ignore", frozen=False, populate_by_name=True)
-
-
-class StrictSpec(BaseModel):
-    """Base for config files: an unknown key is a typo and is refused."""
-
-    model_config = ConfigDict(extra="forbid")
-
 
 # --------------------------------------------------------------------------------------------
 # Tensors and samples
@@ -345,19 +336,8 @@ class LossConfig(Spec):
 
 
 # --------------------------------------------------------------------------------------------
-# Optimizer, LoRA, sampling
+# LoRA, sampling
 # --------------------------------------------------------------------------------------------
-
-
-class AdamParams(Spec):
-    """Per-step AdamW knobs; omitted fields take the Part B defaults."""
-
-    learning_rate: float = Field(default=1e-4, ge=0.0, allow_inf_nan=False)
-    beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
-    beta2: float = Field(default=0.95, ge=0.0, lt=1.0)
-    eps: float = Field(default=1e-8, gt=0.0, allow_inf_nan=False)
-    weight_decay: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
-    grad_clip_norm: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
 
 
 class LoraConfig(Spec):

@@ -14,10 +14,8 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, model_validator
 
-from trainer.contract.muon_params import MuonParams
-from trainer.contract.optimizer import optimizer_kind
+from trainer.contract.optimizer import AdamParams, MuonParams, optimizer_kind
 from trainer.contract.specs import (
-    AdamParams,
     Gradient,
     LoraConfig,
     LossConfig,
@@ -51,7 +49,7 @@ _INPUT_DTYPES: dict[str, tuple[str, ...]] = {
 
 class CreateResourceBody(ResourceSpec):
     """POST /rl/model-resources (and estimate-cost); `optimizer_config` is checked by
-    `trainer.contract.muon_params.check_optimizer_config`."""
+    `trainer.contract.optimizer.check_optimizer_config`."""
 
 
 class ExtendExpiryBody(Spec):
