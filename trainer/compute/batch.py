@@ -23,10 +23,9 @@ import torch
 from trainer.compute.attention import BOOLEAN_MASK_ATTENTION, is_varlen
 from trainer.contract.arrays import as_float32, first
 from trainer.contract.errors import invalid
+from trainer.contract.losses import FLOAT_INPUTS, InputRule
 from trainer.contract.options import ROW_TOKENS, TOKEN_BUDGET
-from trainer.contract.specs import Gradient, InputRule, Sample
-
-FLOAT_INPUTS = ("logprobs", "advantages", "reference_logprobs", "weights", "mask")
+from trainer.contract.specs import Gradient, Sample
 
 
 @dataclass

@@ -14,11 +14,11 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, model_validator
 
+from trainer.contract.losses import LOSS_INPUTS, LossConfig
 from trainer.contract.optimizer import AdamParams, MuonParams, optimizer_kind
 from trainer.contract.specs import (
     Gradient,
     LoraConfig,
-    LossConfig,
     ModelEntry,
     ModelInput,
     ResourceSpec,
@@ -36,15 +36,6 @@ WeightSyncType = Literal[
     "WEIGHT_SYNC_TYPE_PIPELINE",
 ]
 CheckpointVariant = Literal["CHECKPOINT_VARIANT_MERGED", "CHECKPOINT_VARIANT_ADAPTER"]
-
-_INPUT_DTYPES: dict[str, tuple[str, ...]] = {
-    "target_tokens": ("int64",),
-    "logprobs": ("float32",),
-    "advantages": ("float32",),
-    "reference_logprobs": ("float32",),
-    "weights": ("int64", "float32"),
-    "mask": ("int64", "float32"),
-}
 
 
 class CreateResourceBody(ResourceSpec):
@@ -202,9 +193,9 @@ def check_samples(
             )
         for name, tensor in inputs.items():
             field = f"{where}.loss_fn_inputs.{name}"
-            allowed = _INPUT_DTYPES.get(name)
-            if allowed is not None and tensor.dtype not in allowed:
-                raise bad_request(f"{field}.dtype must be one of {list(allowed)}", field)
+            known = LOSS_INPUTS.get(name)  # the registry's dtypes
+            if known is not None and tensor.dtype not in known.dtypes:
+                raise bad_request(f"{field}.dtype must be one of {list(known.dtypes)}", field)
             if len(tensor.data) != len(tokens):
                 raise bad_request(
                     f"{field}: {len(tensor.data)} values for {len(tokens)} model_input tokens",

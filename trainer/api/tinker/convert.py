@@ -3,7 +3,10 @@
 A Tinker model is a training session, so each Tinker call becomes one of our operations: these
 functions only translate shapes and names, check what the engine cannot name in Tinker's terms,
 and raise `TinkerInputError` (its `field` is the Tinker field, e.g.
-`forward_backward_input.data[3].loss_fn_inputs.advantages`) on anything they cannot map.
+`forward_backward_input.data[3].loss_fn_inputs.advantages`) on anything they cannot map. A
+Tinker loss is one of the loss registry's (`trainer.contract.losses`), with its inputs and the
+bounds of its params; only Tinker's own facts are stated here: which of our losses each Tinker
+loss is, with its knobs and defaults (`_TINKER_LOSSES`).
 
 Losses (Tinker `loss_fn` -> ours; every Tinker loss is a plain sum over all positions with no
 mask, so RL datums go out without `mask`/`weights`: the engine sees all ones):
@@ -32,10 +35,10 @@ so `logprobs` hold lp_t at every position, as Tinker returns them.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from pydantic import ValidationError
 
 from trainer.api.tinker.convert_inputs import (
     TinkerInputError,
@@ -43,8 +46,11 @@ from trainer.api.tinker.convert_inputs import (
     number,
     tensor_values,
     token_ids,
+    validated,
 )
-from trainer.contract.specs import AdamParams
+from trainer.contract.base import Spec
+from trainer.contract.losses import LOSS_SPECS, TOKEN_INPUTS
+from trainer.contract.optimizer import AdamParams
 
 __all__ = [
     "TinkerInputError",
@@ -58,23 +64,38 @@ __all__ = [
 
 FBI = "forward_backward_input"
 
-# Tinker loss name -> (our loss type, the loss_fn_inputs it needs, those it may carry)
-_POLICY = ("target_tokens", "logprobs", "advantages")
-_LOSS_INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "cross_entropy": (("target_tokens",), ("weights",)),
-    "importance_sampling": (_POLICY, ()),
-    "ppo": (_POLICY, ()),
-    "cispo": (_POLICY, ()),
-    "dro": (_POLICY, ()),
-    "gspo": (_POLICY, ("sequence_ratio_mask",)),
-}
-_LOSS_TYPES = {
-    "cross_entropy": "LOSS_TYPE_CROSS_ENTROPY",
-    "importance_sampling": "LOSS_TYPE_IMPORTANCE_SAMPLING",
-    "ppo": "LOSS_TYPE_PPO",
-    "cispo": "LOSS_TYPE_CISPO",
-    "dro": "LOSS_TYPE_DRO",
-    "gspo": "LOSS_TYPE_GRPO",
+
+@dataclass(frozen=True)
+class _TinkerLoss:
+    """A Tinker loss as one of the registry's (`LOSS_SPECS`): what only Tinker says about it.
+    Its inputs are the registry's for that loss, plus `extra`."""
+
+    loss_type: str  # the engine's loss
+    # `loss_fn_config` keys with Tinker's defaults (None: no default, so required)
+    knobs: dict[str, float | None] = field(default_factory=dict)
+    fixed: dict[str, Any] = field(default_factory=dict)  # engine params Tinker does not expose
+    ones: bool = False  # a datum may omit the loss's required inputs: all ones (CE's weights)
+    extra: tuple[str, ...] = ()  # Tinker-only inputs, mapped before the engine sees them
+
+
+# Tinker's clip defaults (ε_low = ε_high = 0.2 in its loss docs)
+_TINKER_CLIP: dict[str, float | None] = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+_TINKER_LOSSES = {
+    "cross_entropy": _TinkerLoss("LOSS_TYPE_CROSS_ENTROPY", ones=True),
+    "importance_sampling": _TinkerLoss("LOSS_TYPE_IMPORTANCE_SAMPLING"),
+    "ppo": _TinkerLoss("LOSS_TYPE_PPO", _TINKER_CLIP),
+    "cispo": _TinkerLoss("LOSS_TYPE_CISPO", _TINKER_CLIP),
+    "dro": _TinkerLoss("LOSS_TYPE_DRO", {"beta": None}),
+    "gspo": _TinkerLoss(
+        "LOSS_TYPE_GRPO",
+        _TINKER_CLIP,
+        fixed={
+            "beta": 0.0,
+            "ratio_type": "GRPO_LOSS_RATIO_TYPE_SEQUENCE",
+            "agg_type": "GRPO_LOSS_AGGREGATION_TYPE_FIXED_HORIZON",
+        },
+        extra=("sequence_ratio_mask",),
+    ),
 }
 _REFUSED = {
     "stable_reinforce": "stable_reinforce needs stability information recorded by the server at "
@@ -83,44 +104,27 @@ _REFUSED = {
     "custom": "server-side custom losses are not supported; use forward_backward_custom, which "
     "computes the loss on the client",
 }
-# Tinker's clip defaults (ε_low = ε_high = 0.2 in its loss docs)
-_CLIP_DEFAULTS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
-_INT_INPUTS = ("target_tokens",)
 
 
-def _config(fbi: Mapping[str, Any], loss_fn: str) -> dict[str, float]:
-    """`loss_fn_config` checked against the loss's knobs, with Tinker's defaults filled in."""
+def _config(fbi: Mapping[str, Any], loss_fn: str, tinker: _TinkerLoss) -> dict[str, float]:
+    """`loss_fn_config` checked against the loss's Tinker knobs, with Tinker's defaults filled
+    in (their bounds are the registry's params class's, checked by `_loss`)."""
     raw = fbi.get("loss_fn_config") or {}
     if not isinstance(raw, Mapping):
         raise TinkerInputError(f"{FBI}.loss_fn_config", "must be an object")
-    known: dict[str, float | None] = {}
-    if loss_fn in ("ppo", "cispo", "gspo"):
-        known = dict(_CLIP_DEFAULTS)
-    elif loss_fn == "dro":
-        known = {"beta": None}
     for key in raw:
-        if key not in known:
-            allowed = sorted(known) or "none"
+        if key not in tinker.knobs:
+            allowed = sorted(tinker.knobs) or "none"
             raise TinkerInputError(
                 f"{FBI}.loss_fn_config.{key}",
                 f"is not a knob of {loss_fn} (its knobs: {allowed})",
             )
     out: dict[str, float] = {}
-    for key, default in known.items():
-        field = f"{FBI}.loss_fn_config.{key}"
-        if raw.get(key) is None:
-            if default is None:
-                raise TinkerInputError(field, f"is required for {loss_fn}")
+    for key, default in tinker.knobs.items():
+        if raw.get(key) is not None:
+            out[key] = number(raw[key], f"{FBI}.loss_fn_config.{key}")
+        elif default is not None:
             out[key] = default
-        else:
-            out[key] = number(raw[key], field)
-    low, high = out.get("clip_low_threshold"), out.get("clip_high_threshold")
-    if low is not None and not 0.0 <= low <= 1.0:
-        raise TinkerInputError(f"{FBI}.loss_fn_config.clip_low_threshold", "must be in [0, 1]")
-    if high is not None and high < 1.0:
-        raise TinkerInputError(f"{FBI}.loss_fn_config.clip_high_threshold", "must be >= 1")
-    if out.get("beta", 0.0) < 0.0:
-        raise TinkerInputError(f"{FBI}.loss_fn_config.beta", "must be >= 0")
     return out
 
 
@@ -129,19 +133,29 @@ def _config(fbi: Mapping[str, Any], loss_fn: str) -> dict[str, float]:
 # --------------------------------------------------------------------------------------------
 
 
-def _loss(loss_fn: str, config: dict[str, float]) -> dict[str, Any]:
-    loss_type = _LOSS_TYPES[loss_fn]
-    if loss_fn == "gspo":
-        params: dict[str, Any] = {
-            **config,
-            "beta": 0.0,
-            "ratio_type": "GRPO_LOSS_RATIO_TYPE_SEQUENCE",
-            "agg_type": "GRPO_LOSS_AGGREGATION_TYPE_FIXED_HORIZON",
-        }
-        return {"type": loss_type, "grpo_params": params}
-    if loss_fn in ("ppo", "cispo", "dro"):
-        return {"type": loss_type, f"{loss_fn}_params": config}
-    return {"type": loss_type}
+def _loss(tinker: _TinkerLoss, config: dict[str, float]) -> tuple[dict[str, Any], Spec]:
+    """Our `loss` body, and its params parsed by the registry's class: a bound it breaks is
+    refused as the `loss_fn_config` field."""
+    spec = LOSS_SPECS[tinker.loss_type]
+    params = {**config, **tinker.fixed}
+    parsed = validated(spec.params_cls, params, f"{FBI}.loss_fn_config")
+    body: dict[str, Any] = {"type": tinker.loss_type}
+    if params:
+        body[spec.params_key] = params
+    return body, parsed
+
+
+def _tinker_loss(fbi: Mapping[str, Any]) -> tuple[str, _TinkerLoss]:
+    loss_fn = fbi.get("loss_fn")
+    if not isinstance(loss_fn, str):
+        raise TinkerInputError(f"{FBI}.loss_fn", f"must be a loss name, got {str(loss_fn)[:100]}")
+    if loss_fn in _REFUSED:
+        raise TinkerInputError(f"{FBI}.loss_fn", _REFUSED[loss_fn])
+    if loss_fn not in _TINKER_LOSSES:
+        raise TinkerInputError(
+            f"{FBI}.loss_fn", f"unknown loss {loss_fn!r}; one of {sorted(_TINKER_LOSSES)}"
+        )
+    return loss_fn, _TINKER_LOSSES[loss_fn]
 
 
 def forward_backward_body(fbi: dict[str, Any], forward_only: bool) -> dict[str, Any]:
@@ -153,27 +167,22 @@ def forward_backward_body(fbi: dict[str, Any], forward_only: bool) -> dict[str, 
     """
     if not isinstance(fbi, Mapping):
         raise TinkerInputError(FBI, "must be an object")
-    loss_fn = fbi.get("loss_fn")
-    if not isinstance(loss_fn, str):
-        raise TinkerInputError(f"{FBI}.loss_fn", f"must be a loss name, got {str(loss_fn)[:100]}")
-    if loss_fn in _REFUSED:
-        raise TinkerInputError(f"{FBI}.loss_fn", _REFUSED[loss_fn])
-    if loss_fn not in _LOSS_TYPES:
-        raise TinkerInputError(
-            f"{FBI}.loss_fn", f"unknown loss {loss_fn!r}; one of {sorted(_LOSS_TYPES)}"
-        )
-    config = _config(fbi, loss_fn)
+    loss_fn, tinker = _tinker_loss(fbi)
+    loss, params = _loss(tinker, _config(fbi, loss_fn, tinker))
     data = fbi.get("data")
     if not isinstance(data, list) or not data:
         raise TinkerInputError(f"{FBI}.data", "must be a non-empty list of datums")
-    required, optional = _LOSS_INPUTS[loss_fn]
-    datums = [_datum(d, f"{FBI}.data[{i}]", required, optional) for i, d in enumerate(data)]
+    required = ("target_tokens", *LOSS_SPECS[tinker.loss_type].required_for(params))
+    ones = required[1:] if tinker.ones else ()  # all ones when a datum omits them
+    required = required[:1] if tinker.ones else required
+    optional = ones + tinker.extra
+    datums = [_datum(d, f"{FBI}.data[{i}]", required, optional, ones) for i, d in enumerate(data)]
     if loss_fn == "gspo":
         _gspo_inputs(datums)
     samples = []
     for tokens, inputs in datums:
         loss_fn_inputs = {
-            name: {"data": values, "dtype": "int64" if name in _INT_INPUTS else "float32"}
+            name: {"data": values, "dtype": "int64" if name in TOKEN_INPUTS else "float32"}
             for name, values in inputs.items()
         }
         samples.append(
@@ -183,7 +192,7 @@ def forward_backward_body(fbi: dict[str, Any], forward_only: bool) -> dict[str, 
             }
         )
     return {
-        "loss": _loss(loss_fn, config),
+        "loss": loss,
         "samples": samples,
         "forward_only": bool(forward_only),
         "return_loss_fn_outputs": True,
@@ -195,7 +204,11 @@ _DATUM_KEYS = {"model_input", "loss_fn_inputs", "model_input_spans", "loss_fn_in
 
 
 def _datum(
-    datum: Any, where: str, required: tuple[str, ...], optional: tuple[str, ...]
+    datum: Any,
+    where: str,
+    required: tuple[str, ...],
+    optional: tuple[str, ...],
+    ones: tuple[str, ...],
 ) -> tuple[list[int], dict[str, np.ndarray]]:
     """One datum's tokens and its loss inputs, as arrays (int64 targets, float64 the rest)."""
     if not isinstance(datum, Mapping):
@@ -221,7 +234,7 @@ def _datum(
                 raise TinkerInputError(field, "is required by this loss")
             continue
         values = tensor_values(raw[name], field, len(tokens))
-        if name in _INT_INPUTS:
+        if name in TOKEN_INPUTS:
             if np.any(values != np.trunc(values)) or raw[name].get("dtype") != "int64":
                 raise TinkerInputError(f"{field}.dtype", "token ids must be int64")
             if values.size and values.min() < 0:
@@ -229,8 +242,8 @@ def _datum(
             inputs[name] = values.astype(np.int64)
         else:
             inputs[name] = values
-    if "weights" in optional and "weights" not in inputs:
-        inputs["weights"] = np.ones(len(tokens))  # cross entropy on every token
+    for name in ones:
+        inputs.setdefault(name, np.ones(len(tokens)))  # cross entropy on every token
     return tokens, inputs
 
 
@@ -319,12 +332,7 @@ def optim_step_body(req: dict[str, Any]) -> dict[str, Any]:
     adam = {name: params.get(name, default) for name, default in _TINKER_ADAM.items()}
     for name, value in adam.items():
         number(value, f"{key}.{name}")
-    try:
-        AdamParams.model_validate(adam)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        name = ".".join(str(part) for part in error["loc"])
-        raise TinkerInputError(f"{key}.{name}", error["msg"]) from None
+    validated(AdamParams, adam, key)
     return {"adam_params": adam}
 
 

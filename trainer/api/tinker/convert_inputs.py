@@ -1,13 +1,19 @@
 """The pieces of a Tinker request every conversion reads: numbers, token lists and tensors,
-checked with a `TinkerInputError` that names the Tinker field (`trainer.api.tinker.convert`)."""
+checked with a `TinkerInputError` that names the Tinker field (`trainer.api.tinker.convert`).
+`validated` runs a spec of `trainer.contract` under the Tinker field names."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
+from pydantic import BaseModel, ValidationError
+
+from trainer.serving.errors import field_path
+
+Model = TypeVar("Model", bound=BaseModel)
 
 
 class TinkerInputError(ValueError):
@@ -16,6 +22,23 @@ class TinkerInputError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+def validated(
+    spec: type[Model], data: Mapping[str, Any], where: str, names: Mapping[str, str] = {}
+) -> Model:
+    """`spec` validated from `data`; the first error becomes a `TinkerInputError` naming
+    `{where}.<field>`, with `names` mapping the spec's top-level field names to Tinker's."""
+    try:
+        return spec.model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        loc = list(error["loc"])
+        if loc:
+            loc[0] = names.get(str(loc[0]), loc[0])
+        path = field_path(loc, located=False)
+        message = str(error["msg"]).removeprefix("Value error, ")
+        raise TinkerInputError(f"{where}.{path}" if path else where, message) from None
 
 
 def number(value: Any, field: str) -> float:
