@@ -5,7 +5,8 @@ names the field. Names and enum spellings follow the hosted service's wire contr
 `together` SDK is the authority on shapes; `docs/semantics.md` on semantics). The loss objects
 (`LossConfig` and its params, the registry `LOSS_SPECS`) are defined in
 `trainer.contract.losses` and the per-step optimizer params in `trainer.contract.optimizer`;
-both are importable from here too, as parts of the same request bodies.
+both are importable from here too, as parts of the same request bodies. The checks of a
+request's content against a model's limits are `trainer.contract.rules`.
 
 Shape letters used across the package: B = samples in a call, T = tokens of one sample,
 N = tokens of a whole (micro-)batch flattened, V = vocabulary, H = hidden size.
@@ -13,7 +14,6 @@ N = tokens of a whole (micro-)batch flattened, V = vocabulary, H = hidden size.
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -25,14 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from trainer.contract.arrays import (
-    ArrayOrList,
-    IntArray,
-    NumArray,
-    as_int64,
-    check_finite,
-    tensor_values,
-)
+from trainer.contract.arrays import ArrayOrList, IntArray, NumArray, as_int64, tensor_values
 from trainer.contract.base import Spec as Spec
 from trainer.contract.base import StrictSpec as StrictSpec
 from trainer.contract.losses import LOSS_SPECS as LOSS_SPECS
@@ -47,6 +40,7 @@ from trainer.contract.losses import LossConfig as LossConfig
 from trainer.contract.losses import PpoParams as PpoParams
 from trainer.contract.optimizer import AdamParams as AdamParams
 from trainer.contract.optimizer import check_optimizer_config
+from trainer.contract.rules import check_finite
 from trainer.contract.values import (
     MAX_LORA_ALPHA,
     MIN_TEMPERATURE,
@@ -84,23 +78,26 @@ class TensorData(Spec):
                 f"shape must be [len(data)] = [{len(self.data)}] (1-D only), got {self.shape}"
             )
         if isinstance(self.data, np.ndarray):
-            self.data = tensor_values(self.data, self.dtype)
-            return self
-        converted: list[float | int | str] = []
-        for i, value in enumerate(self.data):
-            if self.dtype == "int64":
-                if isinstance(value, float):
-                    if not value.is_integer():
-                        raise ValueError(f"data[{i}] = {value} is not an integer (dtype int64)")
-                    value = int(value)
-                converted.append(_int_from_str(value))
-            else:
-                number = float(value)
-                if not math.isfinite(number):
-                    raise ValueError(f"data[{i}] is not finite")
-                converted.append(number)
-        self.data = converted
+            values = tensor_values(self.data, self.dtype)
+            if self.dtype == "float32":
+                check_finite(values, "data")
+            self.data = values
+        elif self.dtype == "int64":
+            self.data = [_token_id(i, value) for i, value in enumerate(self.data)]
+        else:
+            floats: list[float | int | str] = [float(value) for value in self.data]
+            check_finite(np.asarray(floats, dtype=np.float64), "data")
+            self.data = floats
         return self
+
+
+def _token_id(i: int, value: float | int | str) -> int | str:
+    """One int64 value of a listed `TensorData`: an integral float or an integer string."""
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError(f"data[{i}] = {value} is not an integer (dtype int64)")
+        value = int(value)
+    return _int_from_str(value)  # type: ignore[no-any-return]
 
 
 class EncodedTextChunk(Spec):
@@ -149,12 +146,7 @@ class Gradient(Spec):
     @field_validator("data")
     @classmethod
     def _finite(cls, value: list[float] | NumArray) -> list[float] | NumArray:
-        if isinstance(value, np.ndarray):
-            check_finite(value)
-            return value
-        for i, number in enumerate(value):
-            if not math.isfinite(number):
-                raise ValueError(f"data[{i}] is not finite")
+        check_finite(value, "data")
         return value
 
 

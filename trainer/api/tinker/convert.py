@@ -1,12 +1,12 @@
 """Tinker requests and results to and from the engine's operation bodies and results.
 
 A Tinker model is a training session, so each Tinker call becomes one of our operations: these
-functions only translate shapes and names, check what the engine cannot name in Tinker's terms,
-and raise `TinkerInputError` (its `field` is the Tinker field, e.g.
-`forward_backward_input.data[3].loss_fn_inputs.advantages`) on anything they cannot map. A
-Tinker loss is one of the loss registry's (`trainer.contract.losses`), with its inputs and the
-bounds of its params; only Tinker's own facts are stated here: which of our losses each Tinker
-loss is, with its knobs and defaults (`_TINKER_LOSSES`).
+functions only translate shapes and names. The checks of a request's content are the engine's
+(the rules of `trainer.contract.rules`, the params classes of the loss registry, the specs of
+`trainer.contract`), run under Tinker's field names; a refusal, or anything these cannot map,
+is a `TinkerInputError` (its `field` is the Tinker field, e.g.
+`forward_backward_input.data[3].loss_fn_inputs.advantages`). Only Tinker's own facts are stated
+here: which of our losses each Tinker loss is, with its knobs and defaults (`_TINKER_LOSSES`).
 
 Losses (Tinker `loss_fn` -> ours; every Tinker loss is a plain sum over all positions with no
 mask, so RL datums go out without `mask`/`weights`: the engine sees all ones):
@@ -36,12 +36,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from trainer.api.tinker.convert_inputs import (
     TinkerInputError,
+    as_tinker,
     integer,
     number,
     tensor_values,
@@ -51,6 +52,8 @@ from trainer.api.tinker.convert_inputs import (
 from trainer.contract.base import Spec
 from trainer.contract.losses import LOSS_SPECS, TOKEN_INPUTS
 from trainer.contract.optimizer import AdamParams
+from trainer.contract.rules import Needs, check_inputs, check_num_samples, check_topk
+from trainer.contract.specs import SamplingParams
 
 __all__ = [
     "TinkerInputError",
@@ -172,11 +175,8 @@ def forward_backward_body(fbi: dict[str, Any], forward_only: bool) -> dict[str, 
     data = fbi.get("data")
     if not isinstance(data, list) or not data:
         raise TinkerInputError(f"{FBI}.data", "must be a non-empty list of datums")
-    required = ("target_tokens", *LOSS_SPECS[tinker.loss_type].required_for(params))
-    ones = required[1:] if tinker.ones else ()  # all ones when a datum omits them
-    required = required[:1] if tinker.ones else required
-    optional = ones + tinker.extra
-    datums = [_datum(d, f"{FBI}.data[{i}]", required, optional, ones) for i, d in enumerate(data)]
+    needs = Needs.of_loss(tinker.loss_type, params, by=f"loss {loss_fn}")
+    datums = [_datum(d, f"{FBI}.data[{i}]", needs, tinker) for i, d in enumerate(data)]
     if loss_fn == "gspo":
         _gspo_inputs(datums)
     samples = []
@@ -203,14 +203,18 @@ def forward_backward_body(fbi: dict[str, Any], forward_only: bool) -> dict[str, 
 _DATUM_KEYS = {"model_input", "loss_fn_inputs", "model_input_spans", "loss_fn_input_spans"}
 
 
+class _Parsed(NamedTuple):
+    """A parsed Tinker tensor as the rules read it: float inputs go out as float32."""
+
+    dtype: str
+    data: np.ndarray
+
+
 def _datum(
-    datum: Any,
-    where: str,
-    required: tuple[str, ...],
-    optional: tuple[str, ...],
-    ones: tuple[str, ...],
+    datum: Any, where: str, needs: Needs, tinker: _TinkerLoss
 ) -> tuple[list[int], dict[str, np.ndarray]]:
-    """One datum's tokens and its loss inputs, as arrays (int64 targets, float64 the rest)."""
+    """One datum's tokens and its loss inputs, as arrays (int64 ids, float64 the rest), checked
+    by the engine's rules (`check_inputs`) under the datum's Tinker path."""
     if not isinstance(datum, Mapping):
         raise TinkerInputError(where, "must be an object")
     for key in datum:
@@ -220,31 +224,35 @@ def _datum(
     raw = datum.get("loss_fn_inputs") or {}
     if not isinstance(raw, Mapping):
         raise TinkerInputError(f"{where}.loss_fn_inputs", "must be an object")
+    reads = [*dict.fromkeys(("target_tokens", *needs.required, *tinker.extra))]
+    reads += [rule.input for rule in needs.rules if rule.input not in reads]
     for name in raw:
-        if name not in required and name not in optional:
+        if name not in reads:
             raise TinkerInputError(
                 f"{where}.loss_fn_inputs.{name}",
-                f"is not an input of this loss (it reads {[*required, *optional]})",
+                f"is not an input of this loss (it reads {reads})",
             )
-    inputs: dict[str, np.ndarray] = {}
-    for name in (*required, *optional):
-        field = f"{where}.loss_fn_inputs.{name}"
-        if name not in raw:
-            if name in required:
-                raise TinkerInputError(field, "is required by this loss")
-            continue
-        values = tensor_values(raw[name], field, len(tokens))
-        if name in TOKEN_INPUTS:
-            if np.any(values != np.trunc(values)) or raw[name].get("dtype") != "int64":
-                raise TinkerInputError(f"{field}.dtype", "token ids must be int64")
-            if values.size and values.min() < 0:
-                raise TinkerInputError(field, "negative token id")
-            inputs[name] = values.astype(np.int64)
-        else:
-            inputs[name] = values
-    for name in ones:
-        inputs.setdefault(name, np.ones(len(tokens)))  # cross entropy on every token
-    return tokens, inputs
+    inputs: dict[str, _Parsed] = {}
+    for name in reads:
+        if name in raw:
+            inputs[name] = _parsed(name, raw[name], f"{where}.loss_fn_inputs.{name}")
+        elif tinker.ones and name in needs.required:
+            inputs[name] = _Parsed("float32", np.ones(len(tokens)))
+    with as_tinker():
+        targets = check_inputs(where, len(tokens), inputs, needs)
+    values = {name: parsed.data for name, parsed in inputs.items()}
+    return tokens, {**values, "target_tokens": targets}
+
+
+def _parsed(name: str, tensor: Any, field: str) -> _Parsed:
+    """A Tinker tensor parsed: token ids as int64 (in the dtype sent, which the rules check),
+    any other input as float64 values, sent on as float32."""
+    values = tensor_values(tensor, field)
+    if name not in TOKEN_INPUTS:
+        return _Parsed("float32", values)
+    if np.any(values != np.trunc(values)):
+        raise TinkerInputError(f"{field}.dtype", "token ids must be int64")
+    return _Parsed(str(tensor.get("dtype")), values.astype(np.int64))
 
 
 def _gspo_inputs(datums: list[tuple[list[int], dict[str, np.ndarray]]]) -> None:
@@ -383,11 +391,11 @@ def sample_body(req: dict[str, Any]) -> dict[str, Any]:
             raise TinkerInputError(key, "is not supported by this worker")
     tokens = token_ids(req.get("prompt"), "prompt")
     num_samples = integer(req.get("num_samples", 1), "num_samples")
-    if num_samples < 1:
-        raise TinkerInputError("num_samples", "must be at least 1")
+    with as_tinker():
+        check_num_samples(num_samples)
     topk = integer(req.get("topk_prompt_logprobs") or 0, "topk_prompt_logprobs")
-    if not 0 <= topk <= 20:
-        raise TinkerInputError("topk_prompt_logprobs", "must be in [0, 20]")
+    with as_tinker():
+        check_topk(topk)
     return {
         "model_inputs": [{"chunks": [{"encoded_text": {"tokens": tokens}}]}],
         "num_samples": num_samples,
@@ -411,33 +419,29 @@ def _sampling_params(raw: Any) -> dict[str, Any]:
     for key in ("temperature", "top_p"):
         if raw.get(key) is not None:
             out[key] = number(raw[key], f"{where}.{key}")
-    if out.get("max_tokens", 1) < 1:
-        raise TinkerInputError(f"{where}.max_tokens", "must be at least 1")
-    if out.get("top_k", -1) < -1 or out.get("top_k") == 0:
+    if out.get("top_k") == 0:  # Tinker's no-limit is -1; 0 is no value of its top_k
         raise TinkerInputError(f"{where}.top_k", "must be -1 (no limit) or at least 1")
-    if not 0.0 < out.get("top_p", 1.0) <= 1.0:
-        raise TinkerInputError(f"{where}.top_p", "must be in (0, 1]")
-    if out.get("temperature", 1.0) < 0.0:
-        raise TinkerInputError(f"{where}.temperature", "must be >= 0")
-    stop = raw.get("stop")
-    if isinstance(stop, str):
-        out["stop"] = [stop]
-    elif isinstance(stop, list):
-        if not stop:
-            raise TinkerInputError(
-                f"{where}.stop",
-                "[] (no stop at all, not even EOS) is not supported; omit stop to stop at EOS",
-            )
-        if all(isinstance(s, str) for s in stop):
-            out["stop"] = list(stop)
-        else:
-            ids = [integer(s, f"{where}.stop[{i}]") for i, s in enumerate(stop)]
-            if min(ids) < 0:
-                raise TinkerInputError(f"{where}.stop", "token ids must be >= 0")
-            out["stop_token_ids"] = ids
-    elif stop is not None:
-        raise TinkerInputError(f"{where}.stop", "must be a string, strings or token ids")
+    out.update(_stop(raw.get("stop"), where))
+    validated(SamplingParams, out, where, names={"stop_token_ids": "stop"})
     return out
+
+
+def _stop(stop: Any, where: str) -> dict[str, Any]:
+    """Tinker's `stop`: strings stop on text (`stop`), token ids on tokens (`stop_token_ids`)."""
+    if stop is None:
+        return {}
+    if isinstance(stop, str):
+        return {"stop": [stop]}
+    if not isinstance(stop, list):
+        raise TinkerInputError(f"{where}.stop", "must be a string, strings or token ids")
+    if not stop:
+        raise TinkerInputError(
+            f"{where}.stop",
+            "[] (no stop at all, not even EOS) is not supported; omit stop to stop at EOS",
+        )
+    if all(isinstance(s, str) for s in stop):
+        return {"stop": list(stop)}
+    return {"stop_token_ids": [integer(s, f"{where}.stop[{i}]") for i, s in enumerate(stop)]}
 
 
 _STOP_REASONS = {"STOP_REASON_STOP": "stop", "STOP_REASON_LENGTH": "length"}
