@@ -1,7 +1,9 @@
 """Loss parameters are parsed once into a typed union, and what each loss needs is declared once
 (`trainer.contract.specs.LOSS_SPECS`): the API's 400, the engine's INVALID_INPUT and `compute_loss`
 all
-read the registry, so a rule added there is enforced at every layer."""
+read the registry, so a rule added there is enforced at every layer. Every other table of losses
+or inputs is derived from the registry or checked against it here, and no module outside it
+spells a table of loss inputs."""
 
 from __future__ import annotations
 
@@ -13,10 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engine.helpers import grads_of, make_resource, random_batch
-from trainer.compute.batch import LossNorm
-from trainer.compute.losses import LossInputs, compute_loss
+from tests.engine.helpers import grads_of, make_resource, random_batch, sample
+from trainer.api.tinker import convert
+from trainer.compute import batch
+from trainer.compute.batch import LossNorm, prepare_samples
+from trainer.compute.losses import INPUT_FIELDS, LOSSES, LossInputs, compute_loss
 from trainer.contract.errors import OperationError
+from trainer.contract.losses import FLOAT_INPUTS, LOSS_INPUTS, TOKEN_INPUTS, LossType
 from trainer.contract.specs import (
     LOSS_SPECS,
     DroParams,
@@ -161,3 +166,90 @@ def test_batch_does_not_import_losses() -> None:
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert "trainer.compute.losses" not in imported
     assert LossNorm.__module__ == "trainer.compute.batch"
+
+
+def test_every_loss_table_agrees_with_the_registry() -> None:
+    wire = set(LOSS_SPECS)
+    assert set(LossType.__args__) == wire | {"LOSS_TYPE_UNSPECIFIED"}  # type: ignore[attr-defined]
+    assert set(LOSSES) == wire
+    params_fields = set(LossConfig.model_fields) - {"type"}
+    for spec in LOSS_SPECS.values():  # a loss with knobs has its `<x>_params` on the wire
+        assert spec.params_key in params_fields or not spec.params_cls.model_fields
+    assert params_fields <= {spec.params_key for spec in LOSS_SPECS.values()}
+    named = {
+        name
+        for spec in LOSS_SPECS.values()
+        for name in (*spec.required, *spec.optional, *(rule.input for rule in spec.rules))
+    }
+    assert named <= set(INPUT_FIELDS)  # every input a loss names reaches its function
+    assert {n: i.field for n, i in LOSS_INPUTS.items() if i.field is not None} == INPUT_FIELDS
+    assert set(INPUT_FIELDS.values()) <= {f.name for f in dataclasses.fields(LossInputs)}
+    assert set(FLOAT_INPUTS) | set(TOKEN_INPUTS) == set(LOSS_INPUTS)
+    assert batch.FLOAT_INPUTS is FLOAT_INPUTS
+    for name, tinker in convert._TINKER_LOSSES.items():  # Tinker's own facts only
+        fields = LOSS_SPECS[tinker.loss_type].params_cls.model_fields
+        assert set(tinker.knobs) | set(tinker.fixed) <= set(fields), name
+        assert not set(tinker.extra) & set(LOSS_INPUTS), name
+
+
+def _input_tables(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, name) of each loss input spelled in a module-level table: an element of a tuple,
+    list or set literal, or a key of a dict literal."""
+    found = []
+    tables = [node for node in tree.body if isinstance(node, ast.Assign | ast.AnnAssign)]
+    for statement in tables:
+        for node in ast.walk(statement):
+            if isinstance(node, ast.Tuple | ast.List | ast.Set):
+                items: list[ast.expr | None] = list(node.elts)
+            elif isinstance(node, ast.Dict):
+                items = list(node.keys)
+            else:
+                continue
+            for item in items:
+                if isinstance(item, ast.Constant) and item.value in LOSS_INPUTS:
+                    found.append((item.lineno, str(item.value)))
+    return found
+
+
+def test_loss_inputs_are_spelled_only_in_the_registry() -> None:
+    registry = TRAINER / "contract" / "losses.py"
+    found = {
+        str(path.relative_to(TRAINER)): tables
+        for path in sorted(TRAINER.rglob("*.py"))
+        if path != registry and (tables := _input_tables(ast.parse(path.read_text())))
+    }
+    assert found == {}
+    assert _input_tables(ast.parse(registry.read_text()))  # the reader sees a table
+
+
+def test_an_input_added_to_a_registry_entry_is_required_on_every_face(monkeypatch) -> None:
+    """PPO that also needs reference logprobs: one edit of the registry, and the HTTP edge, the
+    engine and the Tinker face require the input (and the Tinker face accepts it)."""
+    ppo = LOSS_SPECS["LOSS_TYPE_PPO"]
+    needs = (*ppo.required, "reference_logprobs")
+    monkeypatch.setitem(LOSS_SPECS, "LOSS_TYPE_PPO", dataclasses.replace(ppo, required=needs))
+    floats = {"logprobs": [-1.0, -1.0], "advantages": [1.0, 1.0]}
+    without = sample([1, 2], [2, 3], **floats)
+    with_ref = sample([1, 2], [2, 3], **floats, reference_logprobs=[-1.0, -1.0])
+    field = "samples[0].loss_fn_inputs.reference_logprobs"
+    loss = LossConfig(type="ppo")
+    with pytest.raises(ApiError) as refused:
+        check_forward_backward(ForwardBackwardBody(loss=loss, samples=[without]), ENTRY)
+    assert refused.value.param == field
+    check_forward_backward(ForwardBackwardBody(loss=loss, samples=[with_ref]), ENTRY)
+    kw = {"vocab_size": 8, "max_seq_length": 8, "max_batch_size": 2, "required": needs}
+    with pytest.raises(OperationError, match=r"reference_logprobs: is required by this loss"):
+        prepare_samples([without], **kw)
+    prepare_samples([with_ref], **kw)
+
+    def datum(**inputs: list[float]) -> dict[str, object]:
+        tensors = {"target_tokens": {"data": [2, 3], "dtype": "int64"}}
+        tensors |= {k: {"data": v, "dtype": "float32"} for k, v in inputs.items()}
+        return {"model_input": {"chunks": [{"tokens": [1, 2]}]}, "loss_fn_inputs": tensors}
+
+    with pytest.raises(convert.TinkerInputError) as info:
+        convert.forward_backward_body({"data": [datum(**floats)], "loss_fn": "ppo"}, False)
+    assert info.value.field == "forward_backward_input.data[0].loss_fn_inputs.reference_logprobs"
+    ref = {**floats, "reference_logprobs": [-1.0, -1.0]}
+    body = convert.forward_backward_body({"data": [datum(**ref)], "loss_fn": "ppo"}, False)
+    assert "reference_logprobs" in body["samples"][0]["loss_fn_inputs"]

@@ -1,6 +1,7 @@
 """From wire samples to tensors: validation, then padding-free packing into micro-batches.
 
-Validation happens here, before any weight is touched, and every refusal names the field
+Validation happens here, before any weight is touched: the rulebook's checks
+(`trainer.contract.rules`), with the vocabulary, and every refusal names the field
 (`samples[3].loss_fn_inputs.target_tokens[7]: token id 999 out of range [0, 128)`).
 
 Packing: the samples of a call are laid end to end into rows of at most `row_tokens` tokens
@@ -14,19 +15,17 @@ on how the call was split.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from trainer.compute.attention import BOOLEAN_MASK_ATTENTION, is_varlen
-from trainer.contract.arrays import as_float32, first
-from trainer.contract.errors import invalid
+from trainer.contract.arrays import as_float32
+from trainer.contract.losses import FLOAT_INPUTS, InputRule
 from trainer.contract.options import ROW_TOKENS, TOKEN_BUDGET
-from trainer.contract.specs import Gradient, InputRule, Sample
-
-FLOAT_INPUTS = ("logprobs", "advantages", "reference_logprobs", "weights", "mask")
+from trainer.contract.rules import Limits, Needs, check_conditional, check_samples
+from trainer.contract.specs import Gradient, Sample
 
 
 @dataclass
@@ -65,80 +64,37 @@ def prepare_samples(
     weights_are_mask: bool = True,
     gradients: list[Gradient] | None = None,
 ) -> list[PreparedSample]:
-    """Validate a call's samples and turn them into tensors (CPU).
+    """Check a call's samples against the rulebook (`trainer.contract.rules.check_samples`,
+    with the vocabulary) and turn them into tensors (CPU).
 
     With `weights_are_mask` (every loss but cross entropy), non-zero weights become mask 1.
     Cross entropy keeps fractional `weights` and masks where `w == 0`.
     """
-    if not samples:
-        raise invalid("samples", "at least one sample is required")
-    if len(samples) > max_batch_size:
-        raise invalid("samples", f"{len(samples)} samples exceed max_batch_size {max_batch_size}")
-    if gradients is not None and len(gradients) != len(samples):
-        raise invalid(
-            "gradients", f"expected {len(samples)} entries (one per sample), got {len(gradients)}"
-        )
+    limits = Limits(max_seq_length, max_batch_size, vocab_size=vocab_size)
+    checked = check_samples(samples, limits, Needs(required), gradients)
     prepared = []
-    for i, sample in enumerate(samples):
-        grad = gradients[i] if gradients is not None else None
-        prepared.append(
-            _prepare_one(i, sample, vocab_size, max_seq_length, required, weights_are_mask, grad)
-        )
+    for i, (sample, (tokens, targets)) in enumerate(zip(samples, checked, strict=True)):
+        gradient = gradients[i] if gradients is not None else None
+        prepared.append(_prepare_one(i, sample, tokens, targets, weights_are_mask, gradient))
     return prepared
 
 
 def _prepare_one(
     i: int,
     sample: Sample,
-    vocab_size: int,
-    max_seq_length: int,
-    required: tuple[str, ...],
+    tokens: npt.NDArray[np.int64],
+    targets: npt.NDArray[np.int64],
     weights_are_mask: bool,
     gradient: Gradient | None,
 ) -> PreparedSample:
-    where = f"samples[{i}]"
-    try:
-        tokens: Any = sample.model_input.token_array()
-    except OverflowError:  # a listed id past int64: `_check_ids` names it
-        tokens = sample.model_input.tokens
-    length = len(tokens)
-    if length == 0:
-        raise invalid(f"{where}.model_input", "has no tokens")
-    if length > max_seq_length:
-        raise invalid(
-            f"{where}.model_input", f"{length} tokens exceed max_seq_length {max_seq_length}"
-        )
-    tokens = _check_ids(tokens, vocab_size, f"{where}.model_input.chunks")
+    """One checked sample as tensors: its ids, the per-token float inputs and the mask."""
     inputs = sample.loss_fn_inputs
-    if "target_tokens" not in inputs:
-        raise invalid(f"{where}.loss_fn_inputs.target_tokens", "is required")
-    for name in required:
-        if name not in inputs:
-            raise invalid(f"{where}.loss_fn_inputs.{name}", "is required by this loss")
-    if "weights" in inputs and "mask" in inputs:
-        raise invalid(f"{where}.loss_fn_inputs", "give weights or mask, not both")
-    for name, tensor in inputs.items():
-        if len(tensor.data) != length:
-            raise invalid(
-                f"{where}.loss_fn_inputs.{name}",
-                f"has {len(tensor.data)} values but model_input has {length} tokens",
-            )
-    if inputs["target_tokens"].dtype != "int64":
-        raise invalid(f"{where}.loss_fn_inputs.target_tokens", "dtype must be int64")
-    targets = _check_ids(
-        inputs["target_tokens"].data, vocab_size, f"{where}.loss_fn_inputs.target_tokens"
-    )
-    # float64 then float32, as `torch.tensor([float(v) ...], dtype=float32)` rounded
+    # float64 then float32, as `torch.tensor([float(v) ...], dtype=float32)` rounds
     floats: dict[str, torch.Tensor] = {}
     for name in FLOAT_INPUTS:
         if name in inputs:
             floats[name] = torch.from_numpy(as_float32(inputs[name].data))
     if gradient is not None:
-        if len(gradient.data) != length:
-            raise invalid(
-                f"gradients[{i}].data",
-                f"has {len(gradient.data)} values but samples[{i}] has {length} tokens",
-            )
         floats["gradients"] = torch.from_numpy(as_float32(gradient.data))
     if "mask" in floats:
         mask = (floats["mask"] != 0).float()
@@ -147,7 +103,7 @@ def _prepare_one(
         if weights_are_mask:
             floats["weights"] = mask
     else:
-        mask = torch.ones(length, dtype=torch.float32)
+        mask = torch.ones(len(tokens), dtype=torch.float32)
     return PreparedSample(
         index=i,
         tokens_T=torch.from_numpy(tokens),
@@ -157,27 +113,11 @@ def _prepare_one(
     )
 
 
-def _check_ids(values: Any, vocab_size: int, where: str) -> npt.NDArray[np.int64]:
-    """Token ids (a list or a packed array) as a fresh int64 array, each in `[0, vocab)`."""
-    try:
-        ids = np.array(values, dtype=np.int64)  # a copy: tensors never alias the request
-    except OverflowError:  # a Python int past int64
-        ids = np.array([t if 0 <= t < vocab_size else -1 for t in values], dtype=np.int64)
-    bad = first((ids < 0) | (ids >= vocab_size))
-    if bad is not None:
-        raise invalid(f"{where}[{bad}]", f"token id {values[bad]} out of range [0, {vocab_size})")
-    return ids
-
-
 def check_rules(samples: list[PreparedSample], rules: tuple[InputRule, ...]) -> None:
     """The inputs a loss needs only with its params (`LossSpec.rules_for`), after every sample
-    passed `prepare_samples`."""
-    for rule in rules:
-        for s in samples:
-            if rule.input not in s.inputs:
-                raise invalid(
-                    f"samples[{s.index}].loss_fn_inputs.{rule.input}", f"is required {rule.reason}"
-                )
+    passed `prepare_samples` (`trainer.contract.rules.check_conditional`)."""
+    for s in samples:
+        check_conditional(f"samples[{s.index}]", s.inputs, rules)
 
 
 @dataclass(frozen=True)

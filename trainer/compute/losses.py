@@ -20,10 +20,10 @@ into the gradient (Part B rule 3). Non-finite values at kept tokens are left for
 report as NON_FINITE_LOSS.
 
 Inputs: what each loss needs (required `loss_fn_inputs`, whether weights are a mask, rules such
-as "GRPO with β > 0 needs reference logprobs") is declared once, in
-`trainer.contract.specs.LOSS_SPECS`;
-`pick_loss` checks it and binds the parsed params, once per call. The functions below only
-compute.
+as "GRPO with β > 0 needs reference logprobs") is declared once, in the registry
+`trainer.contract.losses.LOSS_SPECS`, and which `LossInputs` field carries each input in
+`LOSS_INPUTS`; `pick_loss` checks it and binds the parsed params, once per call. The functions
+below only compute; `LOSSES` maps each registry entry to its function.
 
 Metrics are `name -> (numerator, denominator)` Python floats; the reported value is
 Σ numerators / Σ denominators over the micro-batches of a call. All are means over masked tokens
@@ -46,7 +46,8 @@ from typing import Any, NamedTuple
 import torch
 
 from trainer.compute.batch import LossNorm
-from trainer.contract.specs import (
+from trainer.contract.losses import (
+    LOSS_INPUTS,
     LOSS_SPECS,
     CispoParams,
     CrossEntropyParams,
@@ -73,13 +74,8 @@ class LossInputs:
     reference_logprobs_P: torch.Tensor | None = None  # ref_t
 
 
-# `loss_fn_inputs` key -> the `LossInputs` field that carries it
-INPUT_FIELDS = {
-    "weights": "weights_P",
-    "logprobs": "sampler_logprobs_P",
-    "advantages": "advantages_P",
-    "reference_logprobs": "reference_logprobs_P",
-}
+# `loss_fn_inputs` key -> the `LossInputs` field that carries it (the registry's `LossInput.field`)
+INPUT_FIELDS = {name: spec.field for name, spec in LOSS_INPUTS.items() if spec.field is not None}
 
 
 @dataclass

@@ -3,8 +3,8 @@
 Large request bodies reach validation with their bulk lists already packed into 1-D int64 or
 float64 arrays (`trainer.serving.jsonparse`): `TensorData.data`, chunk `tokens` and `Gradient.data`.
 An `ArrayOrList` field passes such an array through without a Python object per element; the
-spec's own validator then checks it vectorised, with the messages of the list path (`data[7]
-is not finite`). A list validates exactly as before. `model_dump` writes arrays back as lists.
+spec's own validator then checks it vectorised, with the messages of the list path (`data[7]:
+is not finite`). A list takes the list path. `model_dump` writes arrays back as lists.
 """
 
 from __future__ import annotations
@@ -81,15 +81,10 @@ def first(mask: npt.NDArray[np.bool_]) -> int | None:
     return int(hits[0]) if hits.size else None
 
 
-def check_finite(values: NumArray) -> None:
-    """`data[i] is not finite` for the first NaN/inf, as the list path says it."""
-    if values.dtype.kind == "f" and (i := first(~np.isfinite(values))) is not None:
-        raise ValueError(f"data[{i}] is not finite")
-
-
 def tensor_values(data: NumArray, dtype: str) -> NumArray:
     """A packed `TensorData.data` checked for its dtype: int64 values (integral floats are
-    converted, as `int(value)` did) or float64 values (cast to float32 later, as before)."""
+    converted, as `int(value)` converts a listed one) or float64 values (cast to float32 later;
+    their finiteness is a rule, `trainer.contract.rules.check_finite`)."""
     if dtype == "int64":
         if data.dtype.kind != "f":
             return data
@@ -101,9 +96,7 @@ def tensor_values(data: NumArray, dtype: str) -> NumArray:
         if bad is not None:
             raise ValueError(f"data[{bad}] = {float(data[bad])} is outside the int64 range")
         return data.astype(np.int64)
-    values = data.astype(np.float64, copy=False)
-    check_finite(values)
-    return values
+    return data.astype(np.float64, copy=False)
 
 
 def as_int64(values: Sequence[int] | NumArray) -> IntArray:

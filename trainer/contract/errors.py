@@ -33,3 +33,18 @@ class OperationError(Exception):
 def invalid(field: str, message: str) -> OperationError:
     """Bad client input: the message starts with the field path, e.g. `samples[2].weights`."""
     return OperationError("INVALID_INPUT", f"{field}: {message}", field=field)
+
+
+class InputError(OperationError, ValueError):
+    """Bad client input refused by a rule of `trainer.contract.rules`: INVALID_INPUT, naming
+    `field`, with the message `"{field}: {detail}"`.
+
+    A `ValueError` too, so a pydantic validator that calls a rule refuses with this message;
+    each face re-raises it in its own error type with its own field names.
+    """
+
+    field: str
+
+    def __init__(self, field: str, detail: str) -> None:
+        super().__init__("INVALID_INPUT", f"{field}: {detail}", field=field)
+        self.detail = detail

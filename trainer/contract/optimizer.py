@@ -1,10 +1,20 @@
-"""A resource's `optimizer_config` (Part B rules 7 and 10): one optimizer per resource, AdamW
-or Muon with its scaling strategy. No imports from `trainer`, so `trainer.contract.specs` can use
-it."""
+"""The optimizer's settings, in one module: a resource's `optimizer_config` (one optimizer per
+resource, AdamW or Muon with its scaling strategy) and the per-step params of each optim-step,
+`AdamParams` and `MuonParams` (semantics and defaults: `docs/semantics.md`).
+
+`muon_params.adam` reuses `AdamParams` for the tensors that Muon leaves to its auxiliary AdamW.
+The clip is global in a Muon step (`muon_params.grad_clip_norm`): the engine ignores
+`adam.grad_clip_norm`, and the request body (`trainer.serving.requests.OptimStepBody`) refuses
+one that a client sets.
+"""
 
 from __future__ import annotations
 
 from typing import Any, Literal
+
+from pydantic import Field
+
+from trainer.contract.base import Spec
 
 MuonScalingStrategy = Literal[
     "MUON_SCALING_STRATEGY_UNSPECIFIED",
@@ -20,6 +30,28 @@ ADJUST_LR_FN = {
     "MUON_SCALING_STRATEGY_ORIGINAL": "original",
 }
 MAX_NEWTON_SCHULZ_STEPS = 99  # torch.optim.Muon refuses 100 or more
+
+
+class AdamParams(Spec):
+    """Per-step AdamW knobs; omitted fields take the Part B defaults."""
+
+    learning_rate: float = Field(default=1e-4, ge=0.0, allow_inf_nan=False)
+    beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(default=0.95, ge=0.0, lt=1.0)
+    eps: float = Field(default=1e-8, gt=0.0, allow_inf_nan=False)
+    weight_decay: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    grad_clip_norm: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
+
+
+class MuonParams(Spec):
+    """Per-step Muon knobs (rule 10's defaults); `adam` for the auxiliary AdamW's tensors."""
+
+    learning_rate: float = Field(default=1e-4, ge=0.0, allow_inf_nan=False)
+    momentum: float = Field(default=0.95, ge=0.0, lt=1.0)
+    newton_schulz_steps: int = Field(default=5, ge=1, le=MAX_NEWTON_SCHULZ_STEPS)
+    weight_decay: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    grad_clip_norm: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
+    adam: AdamParams = Field(default_factory=AdamParams)
 
 
 def check_optimizer_config(value: Any) -> dict[str, Any]:

@@ -2,7 +2,11 @@
 
 Every object a client or a config file can send is validated here, once, with a message that
 names the field. Names and enum spellings follow the hosted service's wire contract (the
-`together` SDK is the authority on shapes; `shared/docs/api-contract.md` Part B on semantics).
+`together` SDK is the authority on shapes; `docs/semantics.md` on semantics). The loss objects
+(`LossConfig` and its params, the registry `LOSS_SPECS`) are defined in
+`trainer.contract.losses` and the per-step optimizer params in `trainer.contract.optimizer`;
+both are importable from here too, as parts of the same request bodies. The checks of a
+request's content against a model's limits are `trainer.contract.rules`.
 
 Shape letters used across the package: B = samples in a call, T = tokens of one sample,
 N = tokens of a whole (micro-)batch flattened, V = vocabulary, H = hidden size.
@@ -10,31 +14,33 @@ N = tokens of a whole (micro-)batch flattened, V = vocabulary, H = hidden size.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import (
     AfterValidator,
-    BaseModel,
     ConfigDict,
     Field,
-    PrivateAttr,
     field_validator,
     model_validator,
 )
 
-from trainer.contract.arrays import (
-    ArrayOrList,
-    IntArray,
-    NumArray,
-    as_int64,
-    check_finite,
-    tensor_values,
-)
+from trainer.contract.arrays import ArrayOrList, IntArray, NumArray, as_int64, tensor_values
+from trainer.contract.base import Spec as Spec
+from trainer.contract.base import StrictSpec as StrictSpec
+from trainer.contract.losses import LOSS_SPECS as LOSS_SPECS
+from trainer.contract.losses import CispoParams as CispoParams
+from trainer.contract.losses import CrossEntropyParams as CrossEntropyParams
+from trainer.contract.losses import DppoParams as DppoParams
+from trainer.contract.losses import DroParams as DroParams
+from trainer.contract.losses import GrpoParams as GrpoParams
+from trainer.contract.losses import ImportanceSamplingParams as ImportanceSamplingParams
+from trainer.contract.losses import InputRule as InputRule
+from trainer.contract.losses import LossConfig as LossConfig
+from trainer.contract.losses import PpoParams as PpoParams
+from trainer.contract.optimizer import AdamParams as AdamParams
 from trainer.contract.optimizer import check_optimizer_config
+from trainer.contract.rules import check_finite
 from trainer.contract.values import (
     MAX_LORA_ALPHA,
     MIN_TEMPERATURE,
@@ -45,19 +51,6 @@ from trainer.contract.values import (
     check_temperature,
 )
 from trainer.contract.values import int_from_str as _int_from_str
-
-
-class Spec(BaseModel):
-    """Base for wire objects: unknown fields are ignored (the SDK may send newer ones)."""
-
-    model_config = ConfigDict(extra="ignore", frozen=False, populate_by_name=True)
-
-
-class StrictSpec(BaseModel):
-    """Base for config files: an unknown key is a typo and is refused."""
-
-    model_config = ConfigDict(extra="forbid")
-
 
 # --------------------------------------------------------------------------------------------
 # Tensors and samples
@@ -85,23 +78,26 @@ class TensorData(Spec):
                 f"shape must be [len(data)] = [{len(self.data)}] (1-D only), got {self.shape}"
             )
         if isinstance(self.data, np.ndarray):
-            self.data = tensor_values(self.data, self.dtype)
-            return self
-        converted: list[float | int | str] = []
-        for i, value in enumerate(self.data):
-            if self.dtype == "int64":
-                if isinstance(value, float):
-                    if not value.is_integer():
-                        raise ValueError(f"data[{i}] = {value} is not an integer (dtype int64)")
-                    value = int(value)
-                converted.append(_int_from_str(value))
-            else:
-                number = float(value)
-                if not math.isfinite(number):
-                    raise ValueError(f"data[{i}] is not finite")
-                converted.append(number)
-        self.data = converted
+            values = tensor_values(self.data, self.dtype)
+            if self.dtype == "float32":
+                check_finite(values, "data")
+            self.data = values
+        elif self.dtype == "int64":
+            self.data = [_token_id(i, value) for i, value in enumerate(self.data)]
+        else:
+            floats: list[float | int | str] = [float(value) for value in self.data]
+            check_finite(np.asarray(floats, dtype=np.float64), "data")
+            self.data = floats
         return self
+
+
+def _token_id(i: int, value: float | int | str) -> int | str:
+    """One int64 value of a listed `TensorData`: an integral float or an integer string."""
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError(f"data[{i}] = {value} is not an integer (dtype int64)")
+        value = int(value)
+    return _int_from_str(value)  # type: ignore[no-any-return]
 
 
 class EncodedTextChunk(Spec):
@@ -150,214 +146,13 @@ class Gradient(Spec):
     @field_validator("data")
     @classmethod
     def _finite(cls, value: list[float] | NumArray) -> list[float] | NumArray:
-        if isinstance(value, np.ndarray):
-            check_finite(value)
-            return value
-        for i, number in enumerate(value):
-            if not math.isfinite(number):
-                raise ValueError(f"data[{i}] is not finite")
+        check_finite(value, "data")
         return value
 
 
 # --------------------------------------------------------------------------------------------
-# Losses (contract Part B)
+# LoRA, sampling
 # --------------------------------------------------------------------------------------------
-
-LossType = Literal[
-    "LOSS_TYPE_UNSPECIFIED",
-    "LOSS_TYPE_CROSS_ENTROPY",
-    "LOSS_TYPE_GRPO",
-    "LOSS_TYPE_IMPORTANCE_SAMPLING",
-    "LOSS_TYPE_PPO",
-    "LOSS_TYPE_CISPO",
-    "LOSS_TYPE_DRO",
-    "LOSS_TYPE_DPPO",
-]
-GrpoAggType = Literal[
-    "GRPO_LOSS_AGGREGATION_TYPE_UNSPECIFIED",
-    "GRPO_LOSS_AGGREGATION_TYPE_FIXED_HORIZON",
-    "GRPO_LOSS_AGGREGATION_TYPE_TOKEN_MEAN",
-    "GRPO_LOSS_AGGREGATION_TYPE_SEQUENCE_MEAN",
-]
-GrpoRatioType = Literal["GRPO_LOSS_RATIO_TYPE_TOKEN", "GRPO_LOSS_RATIO_TYPE_SEQUENCE"]
-
-
-class _ClipParams(Spec):
-    clip_low_threshold: float
-    clip_high_threshold: float
-
-    @model_validator(mode="after")
-    def _bounds(self) -> _ClipParams:
-        if not 0.0 <= self.clip_low_threshold <= 1.0:
-            raise ValueError("clip_low_threshold must be in [0, 1]")
-        if not 1.0 <= self.clip_high_threshold < math.inf:
-            raise ValueError("clip_high_threshold must be >= 1 and finite")
-        return self
-
-
-class CrossEntropyParams(Spec):
-    """No knobs. L = sum_t -w_t * lp_t."""
-
-
-class ImportanceSamplingParams(Spec):
-    """No knobs. L = sum_t -m_t * r_t * A_t."""
-
-
-class PpoParams(_ClipParams):
-    clip_low_threshold: float = 0.8
-    clip_high_threshold: float = 1.2
-
-
-class CispoParams(_ClipParams):
-    clip_low_threshold: float = 0.0
-    clip_high_threshold: float = 5.0
-
-
-class GrpoParams(_ClipParams):
-    clip_low_threshold: float = 0.8
-    clip_high_threshold: float = 1.28
-    beta: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
-    agg_type: GrpoAggType = "GRPO_LOSS_AGGREGATION_TYPE_TOKEN_MEAN"
-    ratio_type: GrpoRatioType = "GRPO_LOSS_RATIO_TYPE_TOKEN"
-
-
-class DppoParams(Spec):
-    delta_low: float = Field(default=0.15, ge=0.0, le=1.0)
-    delta_high: float = Field(default=0.15, ge=0.0, le=1.0)
-
-
-class DroParams(Spec):
-    beta: float = Field(ge=0.0, allow_inf_nan=False)
-
-
-LossParams = (
-    CrossEntropyParams
-    | ImportanceSamplingParams
-    | PpoParams
-    | CispoParams
-    | DroParams
-    | DppoParams
-    | GrpoParams
-)
-"""The typed union a `LossConfig`'s `<x>_params` is parsed into, once, at the edge."""
-
-
-@dataclass(frozen=True)
-class InputRule:
-    """A `loss_fn_inputs` entry a loss needs only with some parameter values."""
-
-    input: str  # the loss_fn_inputs key
-    reason: str  # completes "... is required <reason>"
-    applies: Callable[[Any], bool]  # of the loss's parsed params
-
-
-@dataclass(frozen=True)
-class LossSpec:
-    """What one loss needs, stated once: its params on the wire and the inputs it reads.
-
-    Every check (the API's 400, the engine's INVALID_INPUT, `losses.compute_loss`) reads this.
-    """
-
-    params_key: str  # `<x>_params` on the wire
-    params_cls: type[Spec]
-    required: tuple[str, ...]  # loss_fn_inputs every sample must carry
-    weights_are_mask: bool = True  # False: fractional `weights` scale the tokens (CE)
-    rules: tuple[InputRule, ...] = ()
-
-    def rules_for(self, params: Any) -> tuple[InputRule, ...]:
-        """The conditional inputs that these params make required."""
-        return tuple(rule for rule in self.rules if rule.applies(params))
-
-    def required_for(self, params: Any) -> tuple[str, ...]:
-        """Every input these params make required: `required`, then the rules that apply."""
-        return self.required + tuple(rule.input for rule in self.rules_for(params))
-
-
-_POLICY_INPUTS = ("logprobs", "advantages")
-LOSS_SPECS: dict[str, LossSpec] = {
-    "LOSS_TYPE_CROSS_ENTROPY": LossSpec(
-        "cross_entropy_params", CrossEntropyParams, ("weights",), weights_are_mask=False
-    ),
-    "LOSS_TYPE_IMPORTANCE_SAMPLING": LossSpec(
-        "importance_sampling_params", ImportanceSamplingParams, _POLICY_INPUTS
-    ),
-    "LOSS_TYPE_PPO": LossSpec("ppo_params", PpoParams, _POLICY_INPUTS),
-    "LOSS_TYPE_CISPO": LossSpec("cispo_params", CispoParams, _POLICY_INPUTS),
-    "LOSS_TYPE_DRO": LossSpec("dro_params", DroParams, _POLICY_INPUTS),
-    "LOSS_TYPE_DPPO": LossSpec("dppo_params", DppoParams, _POLICY_INPUTS),
-    "LOSS_TYPE_GRPO": LossSpec(
-        "grpo_params",
-        GrpoParams,
-        _POLICY_INPUTS,
-        rules=(InputRule("reference_logprobs", "when grpo_params.beta > 0", lambda p: p.beta > 0),),
-    ),
-}
-_SHORT_LOSS_NAMES = {key.removeprefix("LOSS_TYPE_").lower(): key for key in LOSS_SPECS}
-
-
-class LossConfig(Spec):
-    """`{"type": ..., "<x>_params": {...}}`. Only the params object matching `type` is read:
-    validation parses it once into `params()` (one of `LossParams`)."""
-
-    type: LossType
-    cross_entropy_params: dict[str, Any] | None = None
-    grpo_params: dict[str, Any] | None = None
-    ppo_params: dict[str, Any] | None = None
-    cispo_params: dict[str, Any] | None = None
-    dppo_params: dict[str, Any] | None = None
-    dro_params: dict[str, Any] | None = None
-    _params: Any = PrivateAttr(default=None)
-
-    @field_validator("type", mode="before")
-    @classmethod
-    def _short_names(cls, value: Any) -> Any:
-        if isinstance(value, str) and value.lower() in _SHORT_LOSS_NAMES:
-            return _SHORT_LOSS_NAMES[value.lower()]
-        return value
-
-    @model_validator(mode="after")
-    def _check(self) -> LossConfig:
-        if self.type not in LOSS_SPECS:  # LOSS_TYPE_UNSPECIFIED
-            raise ValueError("loss.type must name a loss (LOSS_TYPE_UNSPECIFIED is not one)")
-        self._params = self._parse()  # now, so the error names the field
-        return self
-
-    def _parse(self) -> Any:
-        spec = self.spec
-        raw = getattr(self, spec.params_key, None) or {}
-        for name, info in spec.params_cls.model_fields.items():
-            if info.is_required() and raw.get(name) is None:
-                raise ValueError(f"loss.{spec.params_key}.{name} is required for {self.type}")
-        try:
-            return spec.params_cls.model_validate(raw)
-        except Exception as exc:  # re-raise with the field path
-            raise ValueError(f"loss.{spec.params_key}: {exc}") from None
-
-    @property
-    def spec(self) -> LossSpec:
-        return LOSS_SPECS[self.type]
-
-    def params(self) -> LossParams:
-        """The parsed params of `type` (parsed at validation, not again)."""
-        if self._params is None:  # built without validation (`model_construct`)
-            self._params = self._parse()
-        return self._params  # type: ignore[no-any-return]
-
-
-# --------------------------------------------------------------------------------------------
-# Optimizer, LoRA, sampling
-# --------------------------------------------------------------------------------------------
-
-
-class AdamParams(Spec):
-    """Per-step AdamW knobs; omitted fields take the Part B defaults."""
-
-    learning_rate: float = Field(default=1e-4, ge=0.0, allow_inf_nan=False)
-    beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
-    beta2: float = Field(default=0.95, ge=0.0, lt=1.0)
-    eps: float = Field(default=1e-8, gt=0.0, allow_inf_nan=False)
-    weight_decay: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
-    grad_clip_norm: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
 
 
 class LoraConfig(Spec):

@@ -31,6 +31,7 @@ import torch
 
 from trainer.compute.sampler import DecodeJob, Sequence, StopCheck, draw_seed
 from trainer.contract.errors import invalid
+from trainer.contract.rules import Limits, check_prompts
 from trainer.contract.specs import ModelInput, SamplingParams
 from trainer.engine.moe_replay_keys import issue_keys
 
@@ -204,38 +205,10 @@ class Generator(abc.ABC):
         params: SamplingParams,
         topk: int,
     ) -> list[list[int]]:
-        entry = self.resource.entry
-        if not model_inputs:
-            raise invalid("model_inputs", "at least one prompt is required")
-        if not 1 <= num_samples <= entry.max_batch_size:
-            raise invalid("num_samples", f"must be in [1, {entry.max_batch_size}]")
-        if len(model_inputs) * num_samples > entry.max_batch_size:
-            raise invalid(
-                "num_samples",
-                f"{len(model_inputs)} prompts x {num_samples} samples exceed "
-                f"max_batch_size {entry.max_batch_size}",
-            )
-        if not 0 <= topk <= 20:
-            raise invalid("topk_prompt_logprobs", "must be in [0, 20]")
-        prompts = []
-        for i, model_input in enumerate(model_inputs):
-            tokens = model_input.tokens
-            if not tokens:
-                raise invalid(f"model_inputs[{i}]", "has no tokens")
-            for j, token in enumerate(tokens):
-                if not 0 <= token < self.resource.vocab_size:
-                    raise invalid(
-                        f"model_inputs[{i}].chunks[{j}]",
-                        f"token id {token} out of range [0, {self.resource.vocab_size})",
-                    )
-            if len(tokens) + params.max_tokens > entry.max_seq_length:
-                raise invalid(
-                    "sampling_params.max_tokens",
-                    f"prompt {i} ({len(tokens)} tokens) + max_tokens {params.max_tokens} "
-                    f"exceeds the context length {entry.max_seq_length}",
-                )
-            prompts.append(tokens)
-        return prompts
+        """The rulebook's checks of a sample call (`trainer.contract.rules.check_prompts`),
+        against the model's limits and vocabulary; the prompts' token ids."""
+        limits = Limits.of(self.resource.entry, vocab_size=self.resource.vocab_size)
+        return check_prompts(model_inputs, num_samples, params.max_tokens, topk, limits)
 
     def _stop_checker(self, stops: list[str]) -> Callable[[list[int]], bool] | None:
         if not stops:

@@ -1,26 +1,38 @@
 """HTTP request bodies, validated once at the edge with messages that name the field.
 
 The shapes are the SDK's (`together.types.post_training.*_params`); the pieces they share with
-the engine (samples, losses, optimizer and sampling knobs) come from `trainer.contract.specs`.
-Checks
-that need the model's limits (`check_samples`) run before an operation is queued, so a bad
-batch is a 400 and never touches the session.
+the engine (samples, losses, optimizer and sampling knobs) come from `trainer.contract`. The
+checks of their content against the model's limits are the rulebook's
+(`trainer.contract.rules`, here without the vocabulary); they run before an operation is
+queued (`check_forward_backward`, `check_custom`, `check_sample`), so a bad batch is a 400 and
+never touches the session.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, Literal
 
-import numpy as np
 from pydantic import Field, model_validator
 
-from trainer.contract.muon_params import MuonParams
-from trainer.contract.optimizer import optimizer_kind
+from trainer.contract.base import Spec
+from trainer.contract.errors import InputError
+from trainer.contract.losses import LossConfig
+from trainer.contract.optimizer import AdamParams, MuonParams, optimizer_kind
+from trainer.contract.rules import (
+    MAX_TOPK_PROMPT_LOGPROBS,
+    Limits,
+    Needs,
+    check_gradient,
+    check_gradient_count,
+    check_prompts,
+    check_samples,
+    token_values,
+)
 from trainer.contract.specs import (
-    AdamParams,
     Gradient,
     LoraConfig,
-    LossConfig,
     ModelEntry,
     ModelInput,
     ResourceSpec,
@@ -28,7 +40,6 @@ from trainer.contract.specs import (
     SamplingParams,
     SessionMetadata,
     SessionSpec,
-    Spec,
 )
 from trainer.serving.errors import ApiError, bad_request
 
@@ -39,19 +50,10 @@ WeightSyncType = Literal[
 ]
 CheckpointVariant = Literal["CHECKPOINT_VARIANT_MERGED", "CHECKPOINT_VARIANT_ADAPTER"]
 
-_INPUT_DTYPES: dict[str, tuple[str, ...]] = {
-    "target_tokens": ("int64",),
-    "logprobs": ("float32",),
-    "advantages": ("float32",),
-    "reference_logprobs": ("float32",),
-    "weights": ("int64", "float32"),
-    "mask": ("int64", "float32"),
-}
-
 
 class CreateResourceBody(ResourceSpec):
     """POST /rl/model-resources (and estimate-cost); `optimizer_config` is checked by
-    `trainer.contract.muon_params.check_optimizer_config`."""
+    `trainer.contract.optimizer.check_optimizer_config`."""
 
 
 class ExtendExpiryBody(Spec):
@@ -88,17 +90,9 @@ class CustomForwardBackwardBody(Spec):
 
     @model_validator(mode="after")
     def _aligned(self) -> CustomForwardBackwardBody:
-        if len(self.gradients) != len(self.samples):
-            raise ValueError(
-                f"gradients has {len(self.gradients)} entries for {len(self.samples)} samples"
-            )
+        check_gradient_count(len(self.gradients), len(self.samples))
         for i, (sample, gradient) in enumerate(zip(self.samples, self.gradients, strict=True)):
-            length = len(sample.model_input.tokens)
-            if len(gradient.data) != length:
-                raise ValueError(
-                    f"gradients[{i}].data has {len(gradient.data)} values for a sample of "
-                    f"{length} tokens"
-                )
+            check_gradient(i, gradient, len(token_values(sample.model_input)))
         return self
 
 
@@ -152,7 +146,7 @@ class SampleBody(Spec):
     num_samples: int = Field(default=1, ge=1, le=1024)
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     prompt_logprobs: bool = False
-    topk_prompt_logprobs: int = Field(default=0, ge=0, le=20)
+    topk_prompt_logprobs: int = Field(default=0, ge=0, le=MAX_TOPK_PROMPT_LOGPROBS)
     return_routed_experts: bool = False
 
 
@@ -160,118 +154,38 @@ class EmptyBody(Spec):
     """The checkpoint operations take no body."""
 
 
-def check_samples(
-    samples: list[Sample], entry: ModelEntry, required: tuple[str, ...], *, loss_text: str
-) -> None:
-    """Limits and per-sample consistency (contract Part A §3), as a 400 naming the field."""
-    if len(samples) > entry.max_batch_size:
-        raise bad_request(
-            f"samples: {len(samples)} samples exceed max_batch_size {entry.max_batch_size} "
-            f"of {entry.name}",
-            "samples",
-        )
-    total = sum(len(sample.model_input.tokens) for sample in samples)
-    if total > entry.max_tokens_per_call:
-        raise bad_request(
-            f"samples: {total} tokens in all exceed max_tokens_per_call "
-            f"{entry.max_tokens_per_call} of {entry.name}; split the call",
-            "samples",
-        )
-    for i, sample in enumerate(samples):
-        where = f"samples[{i}]"
-        tokens = sample.model_input.tokens
-        if not tokens:
-            raise bad_request(f"{where}.model_input: no tokens", f"{where}.model_input")
-        if len(tokens) > entry.max_seq_length:
-            raise bad_request(
-                f"{where}.model_input: {len(tokens)} tokens exceed max_seq_length "
-                f"{entry.max_seq_length}",
-                f"{where}.model_input",
-            )
-        if min(tokens) < 0:
-            raise bad_request(f"{where}.model_input: negative token id", f"{where}.model_input")
-        inputs = sample.loss_fn_inputs
-        for name in ("target_tokens", *required):
-            if name not in inputs:
-                raise bad_request(
-                    f"{where}.loss_fn_inputs.{name}: required by {loss_text}",
-                    f"{where}.loss_fn_inputs.{name}",
-                )
-        if "weights" in inputs and "mask" in inputs:
-            raise bad_request(
-                f"{where}.loss_fn_inputs: weights and mask are mutually exclusive",
-                f"{where}.loss_fn_inputs",
-            )
-        for name, tensor in inputs.items():
-            field = f"{where}.loss_fn_inputs.{name}"
-            allowed = _INPUT_DTYPES.get(name)
-            if allowed is not None and tensor.dtype not in allowed:
-                raise bad_request(f"{field}.dtype must be one of {list(allowed)}", field)
-            if len(tensor.data) != len(tokens):
-                raise bad_request(
-                    f"{field}: {len(tensor.data)} values for {len(tokens)} model_input tokens",
-                    field,
-                )
-        targets = inputs["target_tokens"].data
-        if (
-            bool((targets < 0).any())  # a packed array (large bodies)
-            if isinstance(targets, np.ndarray)
-            else any(int(t) < 0 for t in targets)
-        ):
-            raise bad_request(
-                f"{where}.loss_fn_inputs.target_tokens: negative token id",
-                f"{where}.loss_fn_inputs.target_tokens",
-            )
+@contextlib.contextmanager
+def _as_400() -> Iterator[None]:
+    """A rule's refusal (`trainer.contract.rules`) as a 400 naming its field."""
+    try:
+        yield
+    except InputError as exc:
+        raise bad_request(exc.message, exc.field) from None
 
 
 def check_forward_backward(body: ForwardBackwardBody, entry: ModelEntry) -> None:
+    """The samples against the model's limits and what the loss reads (`LOSS_SPECS`: its
+    inputs and the rules its params bring), as a 400 naming the field."""
     loss = body.loss
-    required = loss.spec.required_for(loss.params())  # `LOSS_SPECS`: its inputs and rules
-    check_samples(body.samples, entry, required, loss_text=f"loss {loss.type}")
+    with _as_400():
+        check_samples(body.samples, Limits.of(entry), Needs.of_loss(loss.type, loss.params()))
 
 
 def check_custom(body: CustomForwardBackwardBody, entry: ModelEntry) -> None:
-    check_samples(body.samples, entry, (), loss_text="custom-forward-backward")
+    with _as_400():
+        check_samples(body.samples, Limits.of(entry), Needs(by="custom-forward-backward"))
 
 
 def check_sample(body: SampleBody, entry: ModelEntry) -> None:
     """Sequence count, `max_tokens` and the call's token total against the model's limits."""
-    prompts, n = len(body.model_inputs), body.num_samples
-    if prompts * n > entry.max_batch_size:
-        field = "num_samples" if n > 1 else "model_inputs"
-        raise bad_request(
-            f"{field}: {prompts} prompt(s) x {n} sample(s) = {prompts * n} sequences exceed "
-            f"max_batch_size {entry.max_batch_size} of {entry.name}",
-            field,
+    with _as_400():
+        check_prompts(
+            body.model_inputs,
+            body.num_samples,
+            body.sampling_params.max_tokens,
+            body.topk_prompt_logprobs,
+            Limits.of(entry),
         )
-    max_tokens = body.sampling_params.max_tokens
-    if max_tokens >= entry.max_seq_length:
-        raise bad_request(
-            f"sampling_params.max_tokens: {max_tokens} must be below the context length "
-            f"{entry.max_seq_length} of {entry.name}",
-            "sampling_params.max_tokens",
-        )
-    total = n * sum(len(m.tokens) + max_tokens for m in body.model_inputs)
-    if total > entry.max_tokens_per_call:
-        raise bad_request(
-            f"sampling_params.max_tokens: {prompts} prompt(s) x {n} sample(s) reach {total} "
-            f"tokens, over max_tokens_per_call {entry.max_tokens_per_call} of {entry.name}",
-            "sampling_params.max_tokens",
-        )
-    for i, model_input in enumerate(body.model_inputs):
-        tokens = model_input.tokens
-        if not tokens:
-            raise bad_request(f"model_inputs[{i}]: no tokens", f"model_inputs[{i}]")
-        if min(tokens) < 0:
-            raise bad_request(f"model_inputs[{i}]: negative token id", f"model_inputs[{i}]")
-        total = len(tokens) + body.sampling_params.max_tokens
-        if total > entry.max_seq_length:
-            raise bad_request(
-                f"model_inputs[{i}]: {len(tokens)} prompt tokens + max_tokens "
-                f"{body.sampling_params.max_tokens} exceed the context length "
-                f"{entry.max_seq_length}",
-                f"model_inputs[{i}]",
-            )
 
 
 def check_lora(lora: LoraConfig | None, entry: ModelEntry, lora_enabled: bool) -> None:

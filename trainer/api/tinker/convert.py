@@ -1,9 +1,12 @@
 """Tinker requests and results to and from the engine's operation bodies and results.
 
 A Tinker model is a training session, so each Tinker call becomes one of our operations: these
-functions only translate shapes and names, check what the engine cannot name in Tinker's terms,
-and raise `TinkerInputError` (its `field` is the Tinker field, e.g.
-`forward_backward_input.data[3].loss_fn_inputs.advantages`) on anything they cannot map.
+functions only translate shapes and names. The checks of a request's content are the engine's
+(the rules of `trainer.contract.rules`, the params classes of the loss registry, the specs of
+`trainer.contract`), run under Tinker's field names; a refusal, or anything these cannot map,
+is a `TinkerInputError` (its `field` is the Tinker field, e.g.
+`forward_backward_input.data[3].loss_fn_inputs.advantages`). Only Tinker's own facts are stated
+here: which of our losses each Tinker loss is, with its knobs and defaults (`_TINKER_LOSSES`).
 
 Losses (Tinker `loss_fn` -> ours; every Tinker loss is a plain sum over all positions with no
 mask, so RL datums go out without `mask`/`weights`: the engine sees all ones):
@@ -32,19 +35,25 @@ so `logprobs` hold lp_t at every position, as Tinker returns them.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import numpy as np
-from pydantic import ValidationError
 
 from trainer.api.tinker.convert_inputs import (
     TinkerInputError,
+    as_tinker,
     integer,
     number,
     tensor_values,
     token_ids,
+    validated,
 )
-from trainer.contract.specs import AdamParams
+from trainer.contract.base import Spec
+from trainer.contract.losses import LOSS_SPECS, TOKEN_INPUTS
+from trainer.contract.optimizer import AdamParams
+from trainer.contract.rules import Needs, check_inputs, check_num_samples, check_topk
+from trainer.contract.specs import SamplingParams
 
 __all__ = [
     "TinkerInputError",
@@ -58,23 +67,38 @@ __all__ = [
 
 FBI = "forward_backward_input"
 
-# Tinker loss name -> (our loss type, the loss_fn_inputs it needs, those it may carry)
-_POLICY = ("target_tokens", "logprobs", "advantages")
-_LOSS_INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "cross_entropy": (("target_tokens",), ("weights",)),
-    "importance_sampling": (_POLICY, ()),
-    "ppo": (_POLICY, ()),
-    "cispo": (_POLICY, ()),
-    "dro": (_POLICY, ()),
-    "gspo": (_POLICY, ("sequence_ratio_mask",)),
-}
-_LOSS_TYPES = {
-    "cross_entropy": "LOSS_TYPE_CROSS_ENTROPY",
-    "importance_sampling": "LOSS_TYPE_IMPORTANCE_SAMPLING",
-    "ppo": "LOSS_TYPE_PPO",
-    "cispo": "LOSS_TYPE_CISPO",
-    "dro": "LOSS_TYPE_DRO",
-    "gspo": "LOSS_TYPE_GRPO",
+
+@dataclass(frozen=True)
+class _TinkerLoss:
+    """A Tinker loss as one of the registry's (`LOSS_SPECS`): what only Tinker says about it.
+    Its inputs are the registry's for that loss, plus `extra`."""
+
+    loss_type: str  # the engine's loss
+    # `loss_fn_config` keys with Tinker's defaults (None: no default, so required)
+    knobs: dict[str, float | None] = field(default_factory=dict)
+    fixed: dict[str, Any] = field(default_factory=dict)  # engine params Tinker does not expose
+    ones: bool = False  # a datum may omit the loss's required inputs: all ones (CE's weights)
+    extra: tuple[str, ...] = ()  # Tinker-only inputs, mapped before the engine sees them
+
+
+# Tinker's clip defaults (ε_low = ε_high = 0.2 in its loss docs)
+_TINKER_CLIP: dict[str, float | None] = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+_TINKER_LOSSES = {
+    "cross_entropy": _TinkerLoss("LOSS_TYPE_CROSS_ENTROPY", ones=True),
+    "importance_sampling": _TinkerLoss("LOSS_TYPE_IMPORTANCE_SAMPLING"),
+    "ppo": _TinkerLoss("LOSS_TYPE_PPO", _TINKER_CLIP),
+    "cispo": _TinkerLoss("LOSS_TYPE_CISPO", _TINKER_CLIP),
+    "dro": _TinkerLoss("LOSS_TYPE_DRO", {"beta": None}),
+    "gspo": _TinkerLoss(
+        "LOSS_TYPE_GRPO",
+        _TINKER_CLIP,
+        fixed={
+            "beta": 0.0,
+            "ratio_type": "GRPO_LOSS_RATIO_TYPE_SEQUENCE",
+            "agg_type": "GRPO_LOSS_AGGREGATION_TYPE_FIXED_HORIZON",
+        },
+        extra=("sequence_ratio_mask",),
+    ),
 }
 _REFUSED = {
     "stable_reinforce": "stable_reinforce needs stability information recorded by the server at "
@@ -83,44 +107,27 @@ _REFUSED = {
     "custom": "server-side custom losses are not supported; use forward_backward_custom, which "
     "computes the loss on the client",
 }
-# Tinker's clip defaults (ε_low = ε_high = 0.2 in its loss docs)
-_CLIP_DEFAULTS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
-_INT_INPUTS = ("target_tokens",)
 
 
-def _config(fbi: Mapping[str, Any], loss_fn: str) -> dict[str, float]:
-    """`loss_fn_config` checked against the loss's knobs, with Tinker's defaults filled in."""
+def _config(fbi: Mapping[str, Any], loss_fn: str, tinker: _TinkerLoss) -> dict[str, float]:
+    """`loss_fn_config` checked against the loss's Tinker knobs, with Tinker's defaults filled
+    in (their bounds are the registry's params class's, checked by `_loss`)."""
     raw = fbi.get("loss_fn_config") or {}
     if not isinstance(raw, Mapping):
         raise TinkerInputError(f"{FBI}.loss_fn_config", "must be an object")
-    known: dict[str, float | None] = {}
-    if loss_fn in ("ppo", "cispo", "gspo"):
-        known = dict(_CLIP_DEFAULTS)
-    elif loss_fn == "dro":
-        known = {"beta": None}
     for key in raw:
-        if key not in known:
-            allowed = sorted(known) or "none"
+        if key not in tinker.knobs:
+            allowed = sorted(tinker.knobs) or "none"
             raise TinkerInputError(
                 f"{FBI}.loss_fn_config.{key}",
                 f"is not a knob of {loss_fn} (its knobs: {allowed})",
             )
     out: dict[str, float] = {}
-    for key, default in known.items():
-        field = f"{FBI}.loss_fn_config.{key}"
-        if raw.get(key) is None:
-            if default is None:
-                raise TinkerInputError(field, f"is required for {loss_fn}")
+    for key, default in tinker.knobs.items():
+        if raw.get(key) is not None:
+            out[key] = number(raw[key], f"{FBI}.loss_fn_config.{key}")
+        elif default is not None:
             out[key] = default
-        else:
-            out[key] = number(raw[key], field)
-    low, high = out.get("clip_low_threshold"), out.get("clip_high_threshold")
-    if low is not None and not 0.0 <= low <= 1.0:
-        raise TinkerInputError(f"{FBI}.loss_fn_config.clip_low_threshold", "must be in [0, 1]")
-    if high is not None and high < 1.0:
-        raise TinkerInputError(f"{FBI}.loss_fn_config.clip_high_threshold", "must be >= 1")
-    if out.get("beta", 0.0) < 0.0:
-        raise TinkerInputError(f"{FBI}.loss_fn_config.beta", "must be >= 0")
     return out
 
 
@@ -129,19 +136,29 @@ def _config(fbi: Mapping[str, Any], loss_fn: str) -> dict[str, float]:
 # --------------------------------------------------------------------------------------------
 
 
-def _loss(loss_fn: str, config: dict[str, float]) -> dict[str, Any]:
-    loss_type = _LOSS_TYPES[loss_fn]
-    if loss_fn == "gspo":
-        params: dict[str, Any] = {
-            **config,
-            "beta": 0.0,
-            "ratio_type": "GRPO_LOSS_RATIO_TYPE_SEQUENCE",
-            "agg_type": "GRPO_LOSS_AGGREGATION_TYPE_FIXED_HORIZON",
-        }
-        return {"type": loss_type, "grpo_params": params}
-    if loss_fn in ("ppo", "cispo", "dro"):
-        return {"type": loss_type, f"{loss_fn}_params": config}
-    return {"type": loss_type}
+def _loss(tinker: _TinkerLoss, config: dict[str, float]) -> tuple[dict[str, Any], Spec]:
+    """Our `loss` body, and its params parsed by the registry's class: a bound it breaks is
+    refused as the `loss_fn_config` field."""
+    spec = LOSS_SPECS[tinker.loss_type]
+    params = {**config, **tinker.fixed}
+    parsed = validated(spec.params_cls, params, f"{FBI}.loss_fn_config")
+    body: dict[str, Any] = {"type": tinker.loss_type}
+    if params:
+        body[spec.params_key] = params
+    return body, parsed
+
+
+def _tinker_loss(fbi: Mapping[str, Any]) -> tuple[str, _TinkerLoss]:
+    loss_fn = fbi.get("loss_fn")
+    if not isinstance(loss_fn, str):
+        raise TinkerInputError(f"{FBI}.loss_fn", f"must be a loss name, got {str(loss_fn)[:100]}")
+    if loss_fn in _REFUSED:
+        raise TinkerInputError(f"{FBI}.loss_fn", _REFUSED[loss_fn])
+    if loss_fn not in _TINKER_LOSSES:
+        raise TinkerInputError(
+            f"{FBI}.loss_fn", f"unknown loss {loss_fn!r}; one of {sorted(_TINKER_LOSSES)}"
+        )
+    return loss_fn, _TINKER_LOSSES[loss_fn]
 
 
 def forward_backward_body(fbi: dict[str, Any], forward_only: bool) -> dict[str, Any]:
@@ -153,27 +170,19 @@ def forward_backward_body(fbi: dict[str, Any], forward_only: bool) -> dict[str, 
     """
     if not isinstance(fbi, Mapping):
         raise TinkerInputError(FBI, "must be an object")
-    loss_fn = fbi.get("loss_fn")
-    if not isinstance(loss_fn, str):
-        raise TinkerInputError(f"{FBI}.loss_fn", f"must be a loss name, got {str(loss_fn)[:100]}")
-    if loss_fn in _REFUSED:
-        raise TinkerInputError(f"{FBI}.loss_fn", _REFUSED[loss_fn])
-    if loss_fn not in _LOSS_TYPES:
-        raise TinkerInputError(
-            f"{FBI}.loss_fn", f"unknown loss {loss_fn!r}; one of {sorted(_LOSS_TYPES)}"
-        )
-    config = _config(fbi, loss_fn)
+    loss_fn, tinker = _tinker_loss(fbi)
+    loss, params = _loss(tinker, _config(fbi, loss_fn, tinker))
     data = fbi.get("data")
     if not isinstance(data, list) or not data:
         raise TinkerInputError(f"{FBI}.data", "must be a non-empty list of datums")
-    required, optional = _LOSS_INPUTS[loss_fn]
-    datums = [_datum(d, f"{FBI}.data[{i}]", required, optional) for i, d in enumerate(data)]
+    needs = Needs.of_loss(tinker.loss_type, params, by=f"loss {loss_fn}")
+    datums = [_datum(d, f"{FBI}.data[{i}]", needs, tinker) for i, d in enumerate(data)]
     if loss_fn == "gspo":
         _gspo_inputs(datums)
     samples = []
     for tokens, inputs in datums:
         loss_fn_inputs = {
-            name: {"data": values, "dtype": "int64" if name in _INT_INPUTS else "float32"}
+            name: {"data": values, "dtype": "int64" if name in TOKEN_INPUTS else "float32"}
             for name, values in inputs.items()
         }
         samples.append(
@@ -183,7 +192,7 @@ def forward_backward_body(fbi: dict[str, Any], forward_only: bool) -> dict[str, 
             }
         )
     return {
-        "loss": _loss(loss_fn, config),
+        "loss": loss,
         "samples": samples,
         "forward_only": bool(forward_only),
         "return_loss_fn_outputs": True,
@@ -194,10 +203,18 @@ def forward_backward_body(fbi: dict[str, Any], forward_only: bool) -> dict[str, 
 _DATUM_KEYS = {"model_input", "loss_fn_inputs", "model_input_spans", "loss_fn_input_spans"}
 
 
+class _Parsed(NamedTuple):
+    """A parsed Tinker tensor as the rules read it: float inputs go out as float32."""
+
+    dtype: str
+    data: np.ndarray
+
+
 def _datum(
-    datum: Any, where: str, required: tuple[str, ...], optional: tuple[str, ...]
+    datum: Any, where: str, needs: Needs, tinker: _TinkerLoss
 ) -> tuple[list[int], dict[str, np.ndarray]]:
-    """One datum's tokens and its loss inputs, as arrays (int64 targets, float64 the rest)."""
+    """One datum's tokens and its loss inputs, as arrays (int64 ids, float64 the rest), checked
+    by the engine's rules (`check_inputs`) under the datum's Tinker path."""
     if not isinstance(datum, Mapping):
         raise TinkerInputError(where, "must be an object")
     for key in datum:
@@ -207,31 +224,35 @@ def _datum(
     raw = datum.get("loss_fn_inputs") or {}
     if not isinstance(raw, Mapping):
         raise TinkerInputError(f"{where}.loss_fn_inputs", "must be an object")
+    reads = [*dict.fromkeys(("target_tokens", *needs.required, *tinker.extra))]
+    reads += [rule.input for rule in needs.rules if rule.input not in reads]
     for name in raw:
-        if name not in required and name not in optional:
+        if name not in reads:
             raise TinkerInputError(
                 f"{where}.loss_fn_inputs.{name}",
-                f"is not an input of this loss (it reads {[*required, *optional]})",
+                f"is not an input of this loss (it reads {reads})",
             )
-    inputs: dict[str, np.ndarray] = {}
-    for name in (*required, *optional):
-        field = f"{where}.loss_fn_inputs.{name}"
-        if name not in raw:
-            if name in required:
-                raise TinkerInputError(field, "is required by this loss")
-            continue
-        values = tensor_values(raw[name], field, len(tokens))
-        if name in _INT_INPUTS:
-            if np.any(values != np.trunc(values)) or raw[name].get("dtype") != "int64":
-                raise TinkerInputError(f"{field}.dtype", "token ids must be int64")
-            if values.size and values.min() < 0:
-                raise TinkerInputError(field, "negative token id")
-            inputs[name] = values.astype(np.int64)
-        else:
-            inputs[name] = values
-    if "weights" in optional and "weights" not in inputs:
-        inputs["weights"] = np.ones(len(tokens))  # cross entropy on every token
-    return tokens, inputs
+    inputs: dict[str, _Parsed] = {}
+    for name in reads:
+        if name in raw:
+            inputs[name] = _parsed(name, raw[name], f"{where}.loss_fn_inputs.{name}")
+        elif tinker.ones and name in needs.required:
+            inputs[name] = _Parsed("float32", np.ones(len(tokens)))
+    with as_tinker():
+        targets = check_inputs(where, len(tokens), inputs, needs)
+    values = {name: parsed.data for name, parsed in inputs.items()}
+    return tokens, {**values, "target_tokens": targets}
+
+
+def _parsed(name: str, tensor: Any, field: str) -> _Parsed:
+    """A Tinker tensor parsed: token ids as int64 (in the dtype sent, which the rules check),
+    any other input as float64 values, sent on as float32."""
+    values = tensor_values(tensor, field)
+    if name not in TOKEN_INPUTS:
+        return _Parsed("float32", values)
+    if np.any(values != np.trunc(values)):
+        raise TinkerInputError(f"{field}.dtype", "token ids must be int64")
+    return _Parsed(str(tensor.get("dtype")), values.astype(np.int64))
 
 
 def _gspo_inputs(datums: list[tuple[list[int], dict[str, np.ndarray]]]) -> None:
@@ -319,12 +340,7 @@ def optim_step_body(req: dict[str, Any]) -> dict[str, Any]:
     adam = {name: params.get(name, default) for name, default in _TINKER_ADAM.items()}
     for name, value in adam.items():
         number(value, f"{key}.{name}")
-    try:
-        AdamParams.model_validate(adam)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        name = ".".join(str(part) for part in error["loc"])
-        raise TinkerInputError(f"{key}.{name}", error["msg"]) from None
+    validated(AdamParams, adam, key)
     return {"adam_params": adam}
 
 
@@ -375,11 +391,11 @@ def sample_body(req: dict[str, Any]) -> dict[str, Any]:
             raise TinkerInputError(key, "is not supported by this worker")
     tokens = token_ids(req.get("prompt"), "prompt")
     num_samples = integer(req.get("num_samples", 1), "num_samples")
-    if num_samples < 1:
-        raise TinkerInputError("num_samples", "must be at least 1")
+    with as_tinker():
+        check_num_samples(num_samples)
     topk = integer(req.get("topk_prompt_logprobs") or 0, "topk_prompt_logprobs")
-    if not 0 <= topk <= 20:
-        raise TinkerInputError("topk_prompt_logprobs", "must be in [0, 20]")
+    with as_tinker():
+        check_topk(topk)
     return {
         "model_inputs": [{"chunks": [{"encoded_text": {"tokens": tokens}}]}],
         "num_samples": num_samples,
@@ -403,33 +419,29 @@ def _sampling_params(raw: Any) -> dict[str, Any]:
     for key in ("temperature", "top_p"):
         if raw.get(key) is not None:
             out[key] = number(raw[key], f"{where}.{key}")
-    if out.get("max_tokens", 1) < 1:
-        raise TinkerInputError(f"{where}.max_tokens", "must be at least 1")
-    if out.get("top_k", -1) < -1 or out.get("top_k") == 0:
+    if out.get("top_k") == 0:  # Tinker's no-limit is -1; 0 is no value of its top_k
         raise TinkerInputError(f"{where}.top_k", "must be -1 (no limit) or at least 1")
-    if not 0.0 < out.get("top_p", 1.0) <= 1.0:
-        raise TinkerInputError(f"{where}.top_p", "must be in (0, 1]")
-    if out.get("temperature", 1.0) < 0.0:
-        raise TinkerInputError(f"{where}.temperature", "must be >= 0")
-    stop = raw.get("stop")
-    if isinstance(stop, str):
-        out["stop"] = [stop]
-    elif isinstance(stop, list):
-        if not stop:
-            raise TinkerInputError(
-                f"{where}.stop",
-                "[] (no stop at all, not even EOS) is not supported; omit stop to stop at EOS",
-            )
-        if all(isinstance(s, str) for s in stop):
-            out["stop"] = list(stop)
-        else:
-            ids = [integer(s, f"{where}.stop[{i}]") for i, s in enumerate(stop)]
-            if min(ids) < 0:
-                raise TinkerInputError(f"{where}.stop", "token ids must be >= 0")
-            out["stop_token_ids"] = ids
-    elif stop is not None:
-        raise TinkerInputError(f"{where}.stop", "must be a string, strings or token ids")
+    out.update(_stop(raw.get("stop"), where))
+    validated(SamplingParams, out, where, names={"stop_token_ids": "stop"})
     return out
+
+
+def _stop(stop: Any, where: str) -> dict[str, Any]:
+    """Tinker's `stop`: strings stop on text (`stop`), token ids on tokens (`stop_token_ids`)."""
+    if stop is None:
+        return {}
+    if isinstance(stop, str):
+        return {"stop": [stop]}
+    if not isinstance(stop, list):
+        raise TinkerInputError(f"{where}.stop", "must be a string, strings or token ids")
+    if not stop:
+        raise TinkerInputError(
+            f"{where}.stop",
+            "[] (no stop at all, not even EOS) is not supported; omit stop to stop at EOS",
+        )
+    if all(isinstance(s, str) for s in stop):
+        return {"stop": list(stop)}
+    return {"stop_token_ids": [integer(s, f"{where}.stop[{i}]") for i, s in enumerate(stop)]}
 
 
 _STOP_REASONS = {"STOP_REASON_STOP": "stop", "STOP_REASON_LENGTH": "length"}

@@ -1,13 +1,26 @@
 """The pieces of a Tinker request every conversion reads: numbers, token lists and tensors,
-checked with a `TinkerInputError` that names the Tinker field (`trainer.api.tinker.convert`)."""
+checked with a `TinkerInputError` that names the Tinker field (`trainer.api.tinker.convert`).
+
+What these parse is judged by the engine's rules (`trainer.contract.rules`, the pydantic specs
+of `trainer.contract`), run under the Tinker field names: `as_tinker` and `validated` re-raise
+their refusals as `TinkerInputError`.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
+from pydantic import BaseModel, ValidationError
+
+from trainer.contract.errors import InputError
+from trainer.contract.rules import check_finite, check_has_tokens, check_ids
+from trainer.serving.errors import field_path
+
+Model = TypeVar("Model", bound=BaseModel)
 
 
 class TinkerInputError(ValueError):
@@ -16,6 +29,32 @@ class TinkerInputError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+@contextlib.contextmanager
+def as_tinker() -> Iterator[None]:
+    """A rule's refusal as a `TinkerInputError`, for a rule given the Tinker field's path."""
+    try:
+        yield
+    except InputError as exc:
+        raise TinkerInputError(exc.field, exc.detail) from None
+
+
+def validated(
+    spec: type[Model], data: Mapping[str, Any], where: str, names: Mapping[str, str] = {}
+) -> Model:
+    """`spec` validated from `data`; the first error becomes a `TinkerInputError` naming
+    `{where}.<field>`, with `names` mapping the spec's top-level field names to Tinker's."""
+    try:
+        return spec.model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        loc = list(error["loc"])
+        if loc:
+            loc[0] = names.get(str(loc[0]), loc[0])
+        path = field_path(loc, located=False)
+        message = str(error["msg"]).removeprefix("Value error, ")
+        raise TinkerInputError(f"{where}.{path}" if path else where, message) from None
 
 
 def number(value: Any, field: str) -> float:
@@ -55,19 +94,16 @@ def token_ids(model_input: Any, field: str) -> list[int]:
             raise TinkerInputError(f"{where}.tokens", "must be a list of token ids") from None
         if array.size and (array.ndim != 1 or array.dtype.kind not in "iu"):
             raise TinkerInputError(f"{where}.tokens", "must be a flat list of integer token ids")
-        bad = np.flatnonzero(array < 0) if array.size else array
-        if bad.size:
-            k = int(bad[0])
-            raise TinkerInputError(f"{where}.tokens[{k}]", f"negative token id {int(array[k])}")
-        tokens.extend(array.astype(np.int64).tolist())
-    if not tokens:
-        raise TinkerInputError(field, "has no tokens")
+        with as_tinker():
+            tokens.extend(check_ids(array.astype(np.int64), f"{where}.tokens").tolist())
+    with as_tinker():
+        check_has_tokens(len(tokens), field)
     return tokens
 
 
-def tensor_values(tensor: Any, field: str, length: int) -> np.ndarray:
-    """A Tinker `TensorData` (`{"data", "dtype", "shape"}`) as a 1-D int64/float64 array of
-    `length` values (the datum's token count)."""
+def tensor_values(tensor: Any, field: str) -> np.ndarray:
+    """A Tinker `TensorData` (`{"data", "dtype", "shape"}`) as a 1-D float64 array of finite
+    values; how many there must be is a rule (`trainer.contract.rules.check_inputs`)."""
     if not isinstance(tensor, Mapping) or "data" not in tensor:
         raise TinkerInputError(field, "must be a tensor object with data and dtype")
     if tensor.get("sparse_crow_indices") is not None or tensor.get("sparse_col_indices"):
@@ -87,9 +123,6 @@ def tensor_values(tensor: Any, field: str, length: int) -> np.ndarray:
             f"{field}.shape",
             f"must be [{values.size}] (one value per token, 1-D), got {str(shape)[:100]}",
         )
-    if values.size != length:
-        raise TinkerInputError(field, f"has {values.size} values for {length} model_input tokens")
-    bad = np.flatnonzero(~np.isfinite(values))
-    if bad.size:
-        raise TinkerInputError(f"{field}.data[{int(bad[0])}]", "is not finite")
+    with as_tinker():
+        check_finite(values, f"{field}.data")
     return values
