@@ -428,7 +428,6 @@ def test_a_failed_batch_fails_every_sample_in_it_and_leaves_each_session_as_it_w
     samples fail with it; each session keeps its RNG stream, weights, versions and pending
     publish. The same samples then succeed as one batch."""
     from trainer.compute import sampler
-    from trainer.engine.batching import sample_batch
 
     resource, sessions = _jobs_resource(tiny_qwen_dir, tmp_path, batch=True)
     before = [(_state(s), s.versions.as_dict()) for s in sessions]
