@@ -19,7 +19,7 @@ from trainer.contract.errors import InputError, OperationError
 from trainer.contract.losses import LossConfig
 from trainer.contract.rules import Limits, check_ids, check_prompts
 from trainer.contract.specs import ModelEntry, Sample, SamplingParams, TensorData
-from trainer.engine.generator import GeneratorOps
+from trainer.engine.generator import Generator
 from trainer.serving.errors import ApiError
 from trainer.serving.requests import (
     ForwardBackwardBody,
@@ -168,9 +168,9 @@ def test_weights_and_mask_are_one_rule() -> None:
 
 
 def _generator_check(body: SampleBody) -> list[list[int]]:
-    """`GeneratorOps._check_prompts` on a resource that is only its entry and vocabulary."""
+    """`Generator._check_prompts` on a resource that is only its entry and vocabulary."""
     session = SimpleNamespace(resource=SimpleNamespace(entry=ENTRY, vocab_size=VOCAB))
-    return GeneratorOps._check_prompts(  # type: ignore[arg-type]
+    return Generator._check_prompts(  # type: ignore[arg-type]
         session,
         body.model_inputs,
         body.num_samples,

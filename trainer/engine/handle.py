@@ -11,7 +11,6 @@ if TYPE_CHECKING:
     from trainer.checkpoint.store import CheckpointStore
     from trainer.contract.specs import ModelEntry, ResourceSpec
     from trainer.engine.batching.pass_scheduler import PassScheduler
-    from trainer.engine.batching.sample_batch import SampleBatcher
 
 
 class ResourceHandle(SharingResource, Protocol):
@@ -24,8 +23,9 @@ class ResourceHandle(SharingResource, Protocol):
     vocab_size: int
     eos_ids: set[int]
     has_generator: bool
-    # the batcher of concurrent samples, made by the first sample that may join one
-    sample_batcher: SampleBatcher | None
+    # the batcher of concurrent samples (`sample_batch.SampleBatcher`, which this module does
+    # not import: it sits above it), made by the first sample that may join one
+    sample_batcher: object | None
 
     @property
     def store(self) -> CheckpointStore:

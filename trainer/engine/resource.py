@@ -35,7 +35,7 @@ from trainer.contract.options import EngineOptions
 from trainer.contract.specs import LoraConfig, ModelEntry, ResourceSpec, SessionSpec
 from trainer.engine.batching.eligibility import model_has_dropout
 from trainer.engine.batching.pass_scheduler import PassScheduler
-from trainer.engine.batching.sample_batch import SampleBatcher, sample_counters
+from trainer.engine.batching.sample_batch import sample_counters
 from trainer.engine.session import TrainingSession
 
 
@@ -76,7 +76,7 @@ class ModelResource:
         self.peft = SharedPeft()  # the peft model of the LoRA sessions' adapters
         # forward(-backward) passes, shared by LoRA sessions' concurrent calls where they may
         self.scheduler = PassScheduler(self)
-        self.sample_batcher: SampleBatcher | None = None  # made by a first batchable sample
+        self.sample_batcher: object | None = None  # made by a first batchable sample
         self._adapters = 0
         self._base_dirty = False
         self._base_tied = is_tied(self.model)

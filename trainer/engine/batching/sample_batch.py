@@ -105,7 +105,7 @@ class BatchingResource(Protocol):
     """What the batcher uses of its resource (`ModelResource`)."""
 
     entry: ModelEntry
-    sample_batcher: SampleBatcher | None  # made by the first sample that may join a batch
+    sample_batcher: object | None  # a `SampleBatcher`, made by the first sample that may join one
 
     @property
     def lock(self) -> TurnLock: ...
@@ -120,16 +120,17 @@ def batcher_for(session: SamplingSession) -> SampleBatcher | None:
         return None
     resource = session.resource
     with _MAKING:
-        if resource.sample_batcher is None:
-            resource.sample_batcher = SampleBatcher(resource)
-        return resource.sample_batcher
+        batcher = resource.sample_batcher
+        if not isinstance(batcher, SampleBatcher):
+            batcher = resource.sample_batcher = SampleBatcher(resource)
+        return batcher
 
 
 def sample_counters(resource: BatchingResource) -> dict[str, int]:
     """`sample_batches`: generations that held more than one session's sample;
     `batched_samples`: the samples that ran in those (0 and 0 before any)."""
     batcher = resource.sample_batcher
-    if batcher is None:
+    if not isinstance(batcher, SampleBatcher):
         return {"sample_batches": 0, "batched_samples": 0}
     return {"sample_batches": batcher.batches, "batched_samples": batcher.batched_jobs}
 
