@@ -15,7 +15,7 @@ another thread polls `/healthz` every 50 ms. Measured per run:
   engine's conversion, not the model's forward (identical in both arms, ~2 min for 60 MB on
   this CPU's tiny model).
 
-Arms: `old` is this worker with the parse it had before issue 10 (`json.loads` of the whole
+Arms: `old` is this worker with a whole-body parse (`json.loads` of the whole
 body in the worker: on the event loop inline, in a thread for payloads; the canonical JSON
 hash; no `gc.freeze`), patched in by `legacy-serve` below and nowhere else; `new` is the
 worker as it ships. Each arm runs `--repeats` times per cell; the table quotes medians.
@@ -112,7 +112,7 @@ class HealthProbe:
 
 
 def _legacy_patch() -> None:
-    """The worker's body handling before issue 10, swapped into this process."""
+    """A whole-body parse in the worker, swapped into this process."""
     import gc
 
     from fastapi import Request

@@ -1,4 +1,4 @@
-"""The comparisons of issue 5: which arms each row runs, at what size, and what it concludes.
+"""The engine's comparisons: which arms each row runs, at what size, and what it concludes.
 
 Every row runs its arms one after the other (each in a fresh process unless `inprocess`) and
 turns their medians into one ratio; both sides of a ratio come from the same run.

@@ -1,4 +1,4 @@
-"""Benchmarks of issue 5: the engine against naive baselines and TRL's GRPOTrainer.
+"""The engine's benchmarks: the engine against naive baselines and TRL's GRPOTrainer.
 
     python scripts/bench.py                 # every row, writes BENCHMARKS.md (7-13 min, 2 cores)
     python scripts/bench.py --rows 1,2      # some rows only

@@ -1,4 +1,4 @@
-"""What a large request body costs the worker: the old parse against the new (issue 10).
+"""What a large request body costs the worker: the old parse against the new.
 
     python scripts/bench_bodies.py                  # 6, 60, 300 MB, 3 runs each; BENCHMARKS.md
     python scripts/bench_bodies.py --sizes 6 --repeats 1 --no-write    # a quick check

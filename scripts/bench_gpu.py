@@ -3,7 +3,7 @@
     python scripts/bench_gpu.py                  # one CUDA GPU, well under 5 minutes
     python scripts/bench_gpu.py --grad-ckpt      # with activation checkpointing
     python scripts/bench_gpu.py --tiny           # CPU smoke check of the same code path
-    python scripts/bench_gpu.py --merge-only     # only the merged-vs-serial row (issue 14)
+    python scripts/bench_gpu.py --merge-only     # only the merged-vs-serial row
 
 Each mode builds the model from a config (random weights, no download) directly on the device,
 packs mixed-length samples (256–2048 tokens) into one 16,384-token micro-batch, and times
@@ -13,7 +13,7 @@ and `packed_sdpa` otherwise. MFU = model FLOPs / time / the GPU's dense bf16 pea
 FLOPs = 6·N·T (full) or 4·N·T + 6·N_lora·T (LoRA) + 6·layers·q_dim·Σ sᵢ² (causal attention).
 Prints one table.
 
-Then the merged-vs-serial row (issue 14): one LoRA resource of the engine (`ModelResource`, the
+Then the merged-vs-serial row: one LoRA resource of the engine (`ModelResource`, the
 same model saved and loaded as a worker does) with `--merge-sessions` sessions (default 8),
 each sending forward-backward calls of `--merge-samples` x `--merge-tokens` tokens (default
 4 x 32, cross entropy). Merged: every session on its own thread, a round's calls sent at once

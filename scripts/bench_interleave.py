@@ -1,4 +1,4 @@
-"""Latency of a small forward-backward sent while another session samples (issue 14).
+"""Latency of a small forward-backward sent while another session samples.
 
     python scripts/bench_interleave.py                      # demo-sized model, 1,536 tokens
     python scripts/bench_interleave.py --tokens 512 --runs 3 --steps-per-turn 8

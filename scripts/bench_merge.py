@@ -1,4 +1,4 @@
-"""Merged vs one-at-a-time forward-backward across the LoRA sessions of one resource (issue 14).
+"""Merged vs one-at-a-time forward-backward across the LoRA sessions of one resource.
 
 N sessions (default 8) each send R forward-backward calls of B samples x T tokens (default
 4 x 32, cross entropy), side by side in one run on one model:

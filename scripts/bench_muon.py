@@ -1,4 +1,4 @@
-"""Time of a Muon optim-step ÷ an AdamW optim-step on Qwen3-0.6B's trainable shapes (issue 12).
+"""Time of a Muon optim-step ÷ an AdamW optim-step on Qwen3-0.6B's trainable shapes.
 
     python scripts/bench_muon.py --kind lora --rank 32          # LoRA r32 on every projection
     python scripts/bench_muon.py --kind full --device cuda      # full weights

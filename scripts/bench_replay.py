@@ -1,4 +1,4 @@
-"""The cost of routing replay (issue 15): time per forward-backward with and without keys.
+"""The cost of routing replay: time per forward-backward with and without keys.
 
     python scripts/bench_replay.py                      # the test suite's tiny Qwen3-MoE, CPU
     python scripts/bench_replay.py --hidden 256 --experts 16 --layers 4 --device cuda

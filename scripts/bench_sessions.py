@@ -1,4 +1,4 @@
-"""Many LoRA sessions on one base (issue 14), CPU: merged vs one call at a time, side by side.
+"""Many LoRA sessions on one base, CPU: merged vs one call at a time, side by side.
 
     OMP_NUM_THREADS=1 python scripts/bench_sessions.py                # both models
     OMP_NUM_THREADS=1 python scripts/bench_sessions.py --only demo --rounds 40

@@ -151,7 +151,6 @@ def test_trainer_has_no_import_cycle() -> None:
 
 
 def test_no_import_cycle_even_lazily() -> None:
-    """The stricter reading: imports inside functions and for type checking count too. The
-    benchmark registry and its harness used to import each other this way, and so did the
-    session and its resource before the session got a narrow handle (`trainer/engine/handle.py`)."""
+    """The stricter reading: imports inside functions and for type checking count too (a
+    session sees its resource through `trainer/engine/handle.py`, never the other way)."""
     assert cycles(import_graph(every=True)) == []

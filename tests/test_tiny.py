@@ -1,8 +1,8 @@
 """`trainer.tiny` is the one tiny-model builder: for every call site's parameters it builds the
-very model (config and weights) that the call site's own builder built before issue 11.
+very model (config and weights) that a plain transformers config with the same seed builds.
 
-The references below are those former builders, spelled out with plain transformers configs
-(`rl/models.py`, `bench/shapes.py`, `tests/conftest.py`, `tests/rl/helpers.py`).
+The references below build each call site's model (the demo, the benchmarks, the test fixtures)
+with a plain transformers config, independently of `trainer.tiny`.
 """
 
 from __future__ import annotations

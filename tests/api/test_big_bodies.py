@@ -1,4 +1,4 @@
-"""Large request bodies (issue 10, item 6, and two bullets of item 3).
+"""Large request bodies: spooled, parsed off the event loop, bounded.
 
 - A ~60 MB forward-backward body, inline or uploaded as a payload, is parsed in the body
   parser's child process: `/healthz` answers within 0.5 s all along (4.9 s when the worker

@@ -1,5 +1,5 @@
-"""Checkpoint integrity, listing order and download errors over the live API (issue 10, items 8,
-11 and 16). Nothing is mocked: a worker on tiny models, files tampered with on disk, expected
+"""Checkpoint integrity, listing order and download errors over the live API.
+Nothing is mocked: a worker on tiny models, files tampered with on disk, expected
 hashes computed here with hashlib from the bytes."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The config tree (issue 11, item 6): every engine knob is set from the TOML's `[engine]` /
+"""The config tree: every engine knob is set from the TOML's `[engine]` /
 `[distributed]` tables and from `--engine-*` / `--distributed-*` flags, shown in
 `configs/serve.example.toml`, validated with errors naming the key, and carried to the live
 sessions of a worker, where it changes what the engine does (counted with forward hooks on the

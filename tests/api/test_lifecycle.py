@@ -1,4 +1,4 @@
-"""Resources and sessions lifecycle (issue 10): concurrent loads, caps, idle threads, the
+"""Resources and sessions lifecycle: concurrent loads, caps, idle threads, the
 effective LoRA config of a resumed session, optimizer_config fields, context length, and how
 long a resource create takes through the SDK.
 

@@ -3,7 +3,8 @@
 A short GRPO loop on a live worker: each step samples with `return_routed_experts=True`, and
 every sequence comes back with a `routed_experts_key`; the client relays each key with its
 sequence into forward and forward-backward. At the weights that sampled them, the replayed
-logprobs equal the sampler's (Part B rule 12: ≤ 1e-5 in fp32); the loop trains (versions move,
+logprobs equal the sampler's (docs/semantics.md §12: ≤ 1e-5 in fp32); the loop trains (versions
+move,
 the weights change) and completes. A dense model ignores the flag and returns no key.
 """
 

@@ -1,4 +1,5 @@
-"""Muon through the wire (Part B rule 10): the official SDK, unchanged, creates a Muon resource
+"""Muon through the wire (docs/semantics.md §10): the official SDK, unchanged, creates a Muon
+resource
 and trains with `muon_params`; mismatched or malformed params are 400s that name the field and
 change nothing; the resource returns its optimizer_config."""
 
@@ -60,7 +61,7 @@ def test_sdk_muon_loop_learns(server: LiveServer, lora: bool) -> None:
         assert int(session.retrieve().step) == 6
         before = trainer.forward(samples=samples, loss=CE).loss
         assert before == pytest.approx(losses[-1], rel=1e-6)
-        assert int(trainer.optim_step().step) == 7  # no params: rule 10's defaults
+        assert int(trainer.optim_step().step) == 7  # no params: §10's defaults
         resource.stop(force=True)
 
 

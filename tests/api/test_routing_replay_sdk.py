@@ -1,5 +1,5 @@
 """MoE routing replay through the official `together` SDK: `sample(return_routed_experts=True)`
-returns a key per sequence, and training samples carry it (Part B rule 12), in a short GRPO
+returns a key per sequence, and training samples carry it (docs/semantics.md §12), in a short GRPO
 loop on a tiny Qwen3-MoE."""
 
 from __future__ import annotations

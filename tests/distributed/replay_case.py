@@ -1,4 +1,5 @@
-"""Routing replay (Part B rule 12) on a tiny Qwen3-MoE, the same calls in one process and under
+"""Routing replay (docs/semantics.md §12) on a tiny Qwen3-MoE, the same calls in one process and
+under
 two ranks (FSDP2 for full weights): `drive_replay` is both sides of `test_replay_sharded`.
 
     python -m tests.distributed.replay_case --model-dir D --storage S --out R.json   # one rank

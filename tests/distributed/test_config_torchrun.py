@@ -1,4 +1,4 @@
-"""The `[engine]` / `[distributed]` knobs reach every rank of a torchrun job (issue 11, item 6).
+"""The `[engine]` / `[distributed]` knobs reach every rank of a torchrun job.
 
 Two gloo ranks parse `trainer serve`'s flags and join the job as the command does
 (`trainer.cli.join_job`); rank 0 counts, with forward hooks on its sharded model, the

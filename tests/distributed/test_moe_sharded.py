@@ -1,4 +1,4 @@
-"""Muon on a tiny Qwen3-MoE under two CPU ranks (gloo) equals one process (issue 15, rule 10):
+"""Muon on a tiny Qwen3-MoE under two CPU ranks (gloo) equals one process (docs/semantics.md §10):
 full weights under FSDP2 (each fused 3-D expert stack gathered, orthogonalised expert by
 expert, each rank keeping its shard) and LoRA with per-expert factors on the fused stacks
 (replicated). Losses, gradient norms, and the final training checkpoint's weights and

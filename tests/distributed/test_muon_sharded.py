@@ -1,4 +1,5 @@
-"""Muon under two CPU ranks (gloo) equals one process (Part B rule 10), LoRA and full weights:
+"""Muon under two CPU ranks (gloo) equals one process (docs/semantics.md §10), LoRA and full
+weights:
 under FSDP2 each full-weight matrix's update is gathered for Newton–Schulz and each rank
 keeps its shard; LoRA adapters are replicated. Losses, gradient norms, and the weights and
 optimizer state (Muon momentum buffers, AdamW moments) of the final training checkpoint."""

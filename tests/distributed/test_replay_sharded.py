@@ -1,6 +1,6 @@
 """Routing replay under two CPU ranks (gloo; FSDP2 for full weights, LoRA on a sharded base)
 equals one process: keys issued by rank 0 are read by every rank from the shared storage, and
-each rank's share of the samples replays its own sequences' routes (Part B rule 12)."""
+each rank's share of the samples replays its own sequences' routes (docs/semantics.md §12)."""
 
 from __future__ import annotations
 

@@ -75,7 +75,7 @@ def test_params_are_parsed_once_into_the_typed_union() -> None:
     again = LossConfig.model_validate(dumped)  # the rank-0 proxy's round trip
     assert again.params() == params
     assert isinstance(LossConfig(type="ppo").params(), PpoParams)
-    # a param without a default is required, with the same message as before
+    # a param without a default is required, with the message that names it
     with pytest.raises(ValueError, match=r"loss\.dro_params\.beta is required for LOSS_TYPE_DRO"):
         LossConfig(type="dro", dro_params={"beta": None})
     assert LossConfig(type="dro", dro_params={"beta": 0.5}).params() == DroParams(beta=0.5)

@@ -1,4 +1,4 @@
-"""Built-in losses against an independent, naive reference of contract Part B.
+"""Built-in losses against an independent, naive reference of docs/semantics.md §1-§5.
 
 The reference below never calls `trainer.compute.losses`: it walks per-sample Python lists token by
 token, skips masked tokens with `if`, and builds the loss from scalar float64 torch ops so that
@@ -108,7 +108,7 @@ def reported(metrics: dict[str, tuple[float, float]]) -> dict[str, float]:
 
 
 # --------------------------------------------------------------------------------------------
-# Naive reference (Part B, token by token)
+# Naive reference (docs/semantics.md, token by token)
 # --------------------------------------------------------------------------------------------
 
 

@@ -176,7 +176,7 @@ def test_four_sessions_merged_equal_solo(tiny_qwen_dir, tmp_path) -> None:
     plans = [_plan(kind) for kind in range(4)]
     reference = make_resource(tiny_qwen_dir, tmp_path / "solo", options=SOLO)
     want = _solo(reference, plans, CONFIGS)
-    assert reference.scheduler.counters()["passes"] == 0  # merging off: today's path only
+    assert reference.scheduler.counters()["passes"] == 0  # merging off: one call per pass
 
     merged = make_resource(tiny_qwen_dir, tmp_path / "merged", options=MERGING)
     got = _concurrent(merged, plans, CONFIGS)

@@ -1,13 +1,13 @@
-"""LoRA on a mixture-of-experts base (issue 15), on a tiny Qwen3-MoE built from a config.
+"""LoRA on a mixture-of-experts base, on a tiny Qwen3-MoE built from a config.
 
 transformers 5 keeps each MoE block's experts as two fused 3-D parameters
 (`experts.gate_up_proj` (experts, 2·moe_inter, hidden), `experts.down_proj` (experts, hidden,
 moe_inter)) beside a router module (`mlp.gate`). A LoRA session adapts them with per-expert
 low-rank factors through peft's `target_parameters` (its `ParamWrapper`); the router is not
-adapted, and a dense model keeps exactly today's targets. Checked against independent
+adapted, and a dense model keeps exactly the module targets. Checked against independent
 references written here: plain transformers / peft reloads of the exports, the merged expert
 weights recomputed in plain torch from the adapter's factors, and Muon's per-expert update in
-float64 (rule 10).
+float64 (docs/semantics.md §10).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def test_targets_experts_not_router_and_dense_unchanged(tiny_moe_dir, tiny_qwen_
     dense = AutoModelForCausalLM.from_pretrained(tiny_qwen_dir)
     assert lora_target_parameters(dense) == []
     dense_config = peft_lora_config(dense, LoraConfig(rank=4))
-    assert not dense_config.target_parameters  # exactly today's config for dense models
+    assert not dense_config.target_parameters  # the module-only config for dense models
     assert sorted(dense_config.target_modules) == sorted(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
     )
@@ -270,7 +270,7 @@ def test_full_weight_export_reloads_with_trained_experts(tiny_moe_dir, tmp_path)
             assert not torch.equal(param, base[name]), name
 
 
-# -- Muon per expert (rule 10) -----------------------------------------------------------------
+# -- Muon per expert (docs/semantics.md §10) ---------------------------------------------------
 
 
 @pytest.mark.parametrize(("lora", "strategy"), [(True, MATCH), (False, ORIGINAL)])

@@ -1,4 +1,4 @@
-"""Muon (Part B rule 10) in one process: the tensor split, the update against a float64
+"""Muon (docs/semantics.md §10) in one process: the tensor split, the update against a float64
 reference written here from the rule's formulas, the Adam side bit-exact against
 `torch.optim.AdamW`, one global clip, and bit-exact resume from a training checkpoint."""
 
@@ -113,7 +113,7 @@ def test_split_on_names_alone() -> None:
     assert muon == [
         "model.layers.3.mlp.up_proj.weight",
         "model.layers.0.self_attn.q_proj.lora_A.weight",
-        "model.layers.1.block_sparse_moe.experts.w1",  # a stack of expert matrices (issue 15)
+        "model.layers.1.block_sparse_moe.experts.w1",  # a stack of expert matrices
     ]
     assert len(adam) == 5
 
@@ -230,7 +230,7 @@ def test_defaults_and_mismatched_params(tiny_qwen_dir, tmp_path) -> None:
     assert info.value.code == "INVALID_INPUT" and "adam_params" in str(info.value)
     assert_same(weights_of(session), before)
     assert session.step == 0
-    out = session.optim_step()  # no params: rule 10's defaults
+    out = session.optim_step()  # no params: §10's defaults
     group = session.optimizer.param_groups[0]
     assert (group["lr"], group["momentum"], group["ns_steps"], group["weight_decay"]) == (
         1e-4,

@@ -1,4 +1,5 @@
-"""MoE routing replay (Part B rule 12) against an independent plain-torch Qwen3-MoE forward that
+"""MoE routing replay (docs/semantics.md §12) against an independent plain-torch Qwen3-MoE forward
+that
 takes forced expert ids and the session's weights."""
 
 from __future__ import annotations
@@ -323,7 +324,7 @@ def test_batched_samples_record_each_rows_routes(moe_dir, tmp_path, monkeypatch)
     """Two sessions' samples in one generation batch: each sequence's key replays its own
     routes (the replayed forward equals its sampled logprobs); keyed samples never merge.
     Sessions with LoRA on the experts never batch (`policy.segmentable`), so these adapt the
-    attention only, as before issue 15."""
+    attention only."""
     import trainer.compute.model
 
     monkeypatch.setattr(trainer.compute.model, "lora_target_parameters", lambda model: [])

@@ -1,4 +1,5 @@
-"""Specs refuse bad values with a message that names the field, and apply Part B defaults."""
+"""Specs refuse bad values with a message that names the field, and apply the defaults of
+docs/semantics.md §14."""
 
 from __future__ import annotations
 

@@ -146,7 +146,7 @@ def test_real_full_filesystem(tiny_qwen_dir: Path, tmp_path: Path) -> None:
         _continues(http, sid, step)
 
 
-# -- every write route on a full disk (issue 10 item 9) --------------------------------------
+# -- every write route on a full disk ------------------------------------------------------
 
 
 def _fill_up(storage: Path) -> Path:

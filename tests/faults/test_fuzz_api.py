@@ -163,7 +163,7 @@ def _fuzz(fuzzed: Any, examples: int) -> None:
     assert sid in live.worker.sessions, "the pinned session is still live"
 
 
-# -- path and query parameters, with full Unicode (issue 10 item 3) ---------------------------
+# -- path and query parameters, with full Unicode ----------------------------------------------
 
 PARAM_EXAMPLES = int(os.environ.get("TRAINER_FUZZ_PARAM_EXAMPLES", "200"))
 # Query parameters the routes read without declaring them in the schema.

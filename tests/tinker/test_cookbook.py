@@ -80,7 +80,8 @@ def test_rl_loop_completes_with_importance_sampling(
     assert [m["progress/batch"] for m in metrics] == [0, 1, 2], metrics
     rewards = [m["reward/total"] for m in metrics]
     assert all(0.0 <= r <= 1.0 for r in rewards)
-    # a step that trained logged the optimizer's metrics (rule 5); a step whose groups all tied
+    # a step that trained logged the optimizer's metrics (docs/semantics.md §5); a step whose
+    # groups all tied
     # would not have trained, which the synthetic task makes unlikely (about 1e-3 per step)
     trained = [m for m in metrics if "grad_norm" in m]
     assert trained, metrics

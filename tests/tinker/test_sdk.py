@@ -6,7 +6,7 @@ and without the optimizer, sampling after `save_weights_and_get_sampling_client`
 listing; the tests below check what it printed against references computed here:
 
 - logprobs at LoRA init against a plain transformers forward of the served base model;
-- each loss against its formula (contract Part B) evaluated on the logprobs the call returned;
+- each loss against its formula (docs/semantics.md) evaluated on the logprobs the call returned;
 - resume against continuing (bit-exact), sampler logprobs against trainer logprobs (2e-3).
 """
 
@@ -96,7 +96,7 @@ def test_forward_logprobs_match_transformers(
 
 
 def reference_loss(name: str, lp: np.ndarray, q: np.ndarray, a: np.ndarray, cfg: dict) -> float:
-    """Part B's formulas (sum over tokens), all positions kept."""
+    """The formulas of docs/semantics.md (sum over tokens), all positions kept."""
     r = np.exp(lp - q)
     if name == "importance_sampling":
         return float(-(r * a).sum())

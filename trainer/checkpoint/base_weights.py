@@ -1,5 +1,5 @@
 """`base_weights_ref`: a full-weight resource that trains from the merged model of one of this
-worker's inference checkpoints instead of its base model's own weights (contract §6, §7).
+worker's inference checkpoints instead of its base model's own weights (docs/semantics.md §9, §16).
 
 The ref is an inference checkpoint id. Its `merged/` variant must hold a model with the
 resource's architecture: the same `model_type` and the same shapes (`SHAPE_KEYS`, at the top

@@ -8,7 +8,7 @@ tensor's own memory (`safetensors.torch.save_file` took twice as long on the sam
 inside `CheckpointStore.write`, hands the closed file to a `Sealer` at once: its sha256 (read
 back from the page cache, so the hash covers the bytes that are in the file) and its fsync run
 in threads while the next file is written. Other files (JSON, `save_pretrained` exports) are
-sealed when the writer returns, as before.
+sealed when the writer returns.
 """
 
 from __future__ import annotations

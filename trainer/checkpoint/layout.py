@@ -13,8 +13,8 @@ Every resume reads through here: a training checkpoint (`read_training`), an inf
 checkpoint (`inference_weights`, then `read_directory`) or a Hugging Face directory
 (`read_directory`, `load_directory_weights`).
 
-The format version stays 1: checkpoints written before the engine was unified resume as they
-are (`tests/fixtures/checkpoints_v1`). Either layout resumes under any world size: DCP-loads
+The format version is 1, and every checkpoint of that format resumes as it is
+(`tests/fixtures/checkpoints_v1`). Either layout resumes under any world size: DCP-loads
 straight into this rank's shards, or reads full tensors in one process (`read_sharded`, no
 process group).
 """

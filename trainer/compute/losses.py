@@ -1,4 +1,4 @@
-"""Built-in RL losses (contract Part B): one pure function per loss, picked from `LOSSES`.
+"""Built-in RL losses (docs/semantics.md): one pure function per loss, picked from `LOSSES`.
 
 Shape letters (as in `trainer/compute/batch.py`): P = the kept (predicted) positions of one
 micro-batch,
@@ -16,7 +16,8 @@ of the micro-batch losses, for every loss and every GRPO aggregation.
 
 Numerics: all loss math is fp32. Masked tokens go through `torch.where(m != 0, expr, 0)`, and
 every exponent is masked *before* `exp`, so a masked token cannot put NaN/Inf into the loss or
-into the gradient (Part B rule 3). Non-finite values at kept tokens are left for the engine to
+into the gradient (docs/semantics.md §3). Non-finite values at kept tokens are left for the engine
+to
 report as NON_FINITE_LOSS.
 
 Inputs: what each loss needs (required `loss_fn_inputs`, whether weights are a mask, rules such

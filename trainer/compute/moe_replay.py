@@ -1,4 +1,4 @@
-"""Mixture-of-experts routing: recorded at sampling, forced at training (Part B rule 12).
+"""Mixture-of-experts routing: recorded at sampling, forced at training (docs/semantics.md §12).
 
 The routers are transformers 5.x's top-k router modules (`Qwen3MoeTopKRouter`: the `gate` of
 each `Qwen3MoeSparseMoeBlock`), whose forward takes the flattened `[N, H]` hidden states of a

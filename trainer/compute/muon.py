@@ -1,4 +1,4 @@
-"""Muon with its auxiliary AdamW (Part B rule 10), for one rank or many.
+"""Muon with its auxiliary AdamW (docs/semantics.md §10), for one rank or many.
 
 - `muon_split` states which trainable tensors Muon updates: the 2-D matrices inside the decoder
   layers (attention and MLP projections, and a LoRA session's `lora_A`/`lora_B` there), and
@@ -90,7 +90,7 @@ def orthogonalise(update: torch.Tensor, layout: Layout, steps: int) -> torch.Ten
 
 def newton_schulz(update: torch.Tensor, steps: int) -> torch.Tensor:
     """`torch.optim._muon._zeropower_via_newtonschulz` line for line, in fp32 rather than bf16
-    (rule 10 allows both): bf16 misses rule 10's 3e-2 bound on LoRA's thin matrices, whose
+    (§10 allows both): bf16 misses §10's 3e-2 bound on LoRA's thin matrices, whose
     small singular values the iteration amplifies (docs/decisions.md)."""
     a, b, c = DEFAULT_A, DEFAULT_B, DEFAULT_C
     x = update.float()

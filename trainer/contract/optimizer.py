@@ -23,7 +23,7 @@ MuonScalingStrategy = Literal[
 ]
 STRATEGIES: tuple[str, ...] = MuonScalingStrategy.__args__  # type: ignore[attr-defined]
 
-# rule 10: MATCH_ADAM (also for UNSPECIFIED) is Moonlight's `0.2·√max(out, in)`
+# §10: MATCH_ADAM (also for UNSPECIFIED) is Moonlight's `0.2·√max(out, in)`
 ADJUST_LR_FN = {
     "MUON_SCALING_STRATEGY_UNSPECIFIED": "match_rms_adamw",
     "MUON_SCALING_STRATEGY_MATCH_ADAM": "match_rms_adamw",
@@ -33,7 +33,7 @@ MAX_NEWTON_SCHULZ_STEPS = 99  # torch.optim.Muon refuses 100 or more
 
 
 class AdamParams(Spec):
-    """Per-step AdamW knobs; omitted fields take the Part B defaults."""
+    """Per-step AdamW knobs; omitted fields take the defaults of docs/semantics.md §14."""
 
     learning_rate: float = Field(default=1e-4, ge=0.0, allow_inf_nan=False)
     beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
@@ -44,7 +44,7 @@ class AdamParams(Spec):
 
 
 class MuonParams(Spec):
-    """Per-step Muon knobs (rule 10's defaults); `adam` for the auxiliary AdamW's tensors."""
+    """Per-step Muon knobs (§10's defaults); `adam` for the auxiliary AdamW's tensors."""
 
     learning_rate: float = Field(default=1e-4, ge=0.0, allow_inf_nan=False)
     momentum: float = Field(default=0.95, ge=0.0, lt=1.0)

@@ -56,7 +56,7 @@ Weights = dict[str, torch.Tensor]
 
 @dataclass
 class Versions:
-    """Part B §8: trainer_step counts optim-steps; the generator serves `applied`."""
+    """docs/semantics.md §8: trainer_step counts optim-steps; the generator serves `applied`."""
 
     trainer_step: int = 0
     target_weights_version: int = 0

@@ -1,4 +1,5 @@
-"""Routing-replay keys (Part B rule 12): where recorded routes live, and how a session's samples
+"""Routing-replay keys (docs/semantics.md §12): where recorded routes live, and how a session's
+samples
 issue and use them.
 
 A key is `re-` and 32 hex digits. It names one file, `<storage>/routes/<key>.safetensors`, with

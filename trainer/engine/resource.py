@@ -81,7 +81,7 @@ class ModelResource:
         self._base_dirty = False
         self._base_tied = is_tied(self.model)
         self._base_dir: Path | None = None  # None: the catalogue entry's own weights
-        if spec.base_weights_ref:  # an inference checkpoint's merged model instead (§7)
+        if spec.base_weights_ref:  # a checkpoint's merged model instead (semantics §9)
             self._use_base_weights(spec.base_weights_ref)
         head = self.model.get_output_embeddings()
         self.vocab_size = int(head.weight.shape[0])

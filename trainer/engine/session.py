@@ -185,7 +185,7 @@ class TrainingSession:
             weights_are_mask=weights_are_mask,
             gradients=gradients,
         )
-        attach_routes(self, samples, prepared)  # MoE routing replay (rule 12)
+        attach_routes(self, samples, prepared)  # MoE routing replay (docs/semantics.md §12)
         return prepared
 
     # -- forward / backward (the pass: `batching/train_pass.py`) -----------------------------
@@ -199,10 +199,11 @@ class TrainingSession:
         return_loss_fn_outputs: bool = False,
         logprobs_unmasked: bool = False,
     ) -> dict[str, Any]:
-        """Part B §1–5. Returns {"loss", "metrics", "loss_fn_outputs"?}.
+        """docs/semantics.md §1–§5. Returns {"loss", "metrics", "loss_fn_outputs"?}.
 
         `logprobs_unmasked` (the Tinker face): `loss_fn_outputs` hold lp_t at every position,
-        masked ones included (Part B rule 4 zeroes them otherwise); loss, gradients and metrics
+        masked ones included (docs/semantics.md §4 zeroes them otherwise); loss, gradients and
+        metrics
         are unchanged."""
         return self._run(
             self.forward_backward_item(

@@ -84,7 +84,7 @@ class ResourceConfig(Section):
     train_unembed: bool = Field(default=True, description="also a LoRA on the output head")
     lora_seed: int | None = Field(default=None, description="LoRA init seed (default: run seed)")
     optimizer: Literal["adam", "muon"] = Field(
-        default="adam", description="the resource's optimizer (Muon: Part B rule 10)"
+        default="adam", description="the resource's optimizer (Muon: docs/semantics.md §10)"
     )
     muon_scaling_strategy: Literal[
         "MUON_SCALING_STRATEGY_MATCH_ADAM", "MUON_SCALING_STRATEGY_ORIGINAL"

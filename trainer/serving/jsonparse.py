@@ -18,7 +18,7 @@ Large bodies are parsed here in a child process (`python -m trainer.serving.json
 binary file of int64/float64 values, and answers a small JSON skeleton with `null` where each
 array was, plus where each array lies in the file. The worker maps them back with numpy: no
 Python object per number ever exists in the worker. Lists that do not pack exactly (strings,
-booleans, integers past 2**53 mixed with floats) stay lists and validate as before.
+booleans, integers past 2**53 mixed with floats) stay lists and validate as lists.
 
 Protocol: one JSON request per line on stdin, `{"src", "blob", "pack", "empty_ok"}`; one
 JSON reply per line on stdout, `{"ok": true, "skeleton": ..., "arrays": {"paths": [...],

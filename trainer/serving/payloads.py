@@ -1,4 +1,5 @@
-"""Large-payload offload (contract §2.9): JSON bodies and results stored as files per session.
+"""Large-payload offload (docs/semantics.md §9): JSON bodies and results stored as files per
+session.
 
 The SDK uploads a request body over 0.5 MiB to a signed upload URL and sends `payload_id` in a
 shrunk inline body; the server reads the real body back here. Results too large to answer

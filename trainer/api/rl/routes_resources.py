@@ -149,7 +149,7 @@ async def list_checkpoints(
 ) -> dict[str, Any]:
     """Newest first, ties broken by id; `after` (the previous page's `next_cursor`, the id of
     its last checkpoint) continues strictly past that checkpoint, so checkpoints created
-    between pages neither shift nor repeat items (contract Part B rule 11)."""
+    between pages neither shift nor repeat items (docs/semantics.md §11)."""
     size = parse_limit(limit)
     if type not in (None, "", TRAINING, INFERENCE):
         raise bad_request(f"type: must be {TRAINING} or {INFERENCE}, got {type!r}", "type")

@@ -21,7 +21,8 @@ mask, so RL datums go out without `mask`/`weights`: the engine sees all ones):
 
 gspo: Tinker's loss is `-Σ_t min(s_t·A_t, clip(s_t, lo, hi)·A_t)` over every position, with
 `s_t` the sequence ratio (mean log-ratio over `sequence_ratio_mask`) carrying each token's own
-gradient: Part B rule 2's SEQUENCE ratio with mask = `sequence_ratio_mask` (absent: all ones).
+gradient: docs/semantics.md §2's SEQUENCE ratio with mask = `sequence_ratio_mask` (absent: all
+ones).
 Rule 2 sums masked tokens only and divides by the aggregation's denominator; FIXED_HORIZON's is
 `num_samples · H` (H the longest datum) and the summand is positively homogeneous in A_t, so
 sending `A_t · num_samples · H` gives Tinker's sum exactly (up to fp32 rounding of the product).
