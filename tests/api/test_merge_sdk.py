@@ -3,7 +3,8 @@ with different ranks, alphas, `train_unembed` and losses (cross-entropy, PPO, GR
 and the SDK's custom forward-backward, whose per-token gradients the client computes from a
 forward's logprobs), driven concurrently by four threads against a worker that merges their
 calls. The reference is an independent solo run: a second worker with merging off
-(`[engine] merge = false`) running the same operations on twin sessions (same seeds), one session after the other.
+(`[engine] merge = false`) running the same operations on twin sessions (same seeds), one
+session after the other.
 
 Every number a client sees must agree within 1e-6 relative: losses, per-token outputs, loss
 metrics, gradient norms (optim-step metrics), logprobs after each optim-step (the weights), and
