@@ -1,10 +1,13 @@
 """The packages of `trainer/` form layers: a package imports only those listed for it, lazy and
 `TYPE_CHECKING` imports included. The table is the architecture; the packages' `__init__`
-docstrings say the same in words."""
+docstrings say the same in words. No module reaches into another's private members."""
 
 from __future__ import annotations
 
-from tests.test_imports import import_graph
+import ast
+from pathlib import Path
+
+from tests.test_imports import ROOT, import_graph
 
 # package -> the packages it may import (itself always); "top" is a module directly in trainer/
 ALLOWED: dict[str, set[str]] = {
@@ -64,3 +67,40 @@ def test_the_layer_reader_sees_a_violation() -> None:
     assert layer("trainer.api.app") == layer("trainer.api") == "api.app"
     assert layer("trainer.cli") == "top:cli"
     assert "engine" not in ALLOWED["compute"] and "api.rl" not in ALLOWED["api.tinker"]
+
+
+def private_reaches(root: Path = ROOT / "trainer") -> list[str]:
+    """`from trainer.x import _name`, and `module._name` on a module of `trainer` imported as
+    `module`: one module using another's private member."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        modules: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("trainer"):
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        found.append(f"{path.name}:{node.lineno} imports {alias.name}")
+                    modules.add(alias.asname or alias.name)
+            elif isinstance(node, ast.Import):
+                modules |= {a.asname or a.name for a in node.names if a.name.startswith("trainer")}
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and ast.unparse(node.value) in modules
+            ):
+                found.append(f"{path.name}:{node.lineno} uses {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_reaches_into_another_s_privates() -> None:
+    assert private_reaches() == []
+
+
+def test_the_private_reader_sees_a_reach(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text(
+        "from trainer.compute import batch\nfrom trainer.x import _y\nbatch._build()\n"
+    )
+    assert private_reaches(tmp_path) == ["a.py:2 imports _y", "a.py:3 uses batch._build"]
