@@ -157,7 +157,7 @@ def _legacy_patch() -> None:
     route_helpers.json_object = json_object  # type: ignore[assignment]
     routes_ops.json_object = json_object  # type: ignore[assignment]
     routes_ops.body_hash = body_hash
-    payloads.PayloadStore.read_json = read_json  # type: ignore[method-assign]
+    payloads.PayloadFiles.read_json = read_json  # type: ignore[method-assign]
 
 
 # -- one worker, one run ----------------------------------------------------------------------

@@ -9,7 +9,7 @@ full weights with `--full`) on the real engine, samples `--prompts` x `--group` 
 sequence's `routed_experts_key`, and without. The two arms then alternate, forward-backward
 after forward-backward on the same weights (no optim-step), and the script prints the median
 of `--steps` timed calls of each after `--warmup`, side by side, and their ratio; `--json`
-writes them too. A with-keys call includes reading its key files (`attach_routes`). Wall and
+writes them too. A with-keys call includes reading its key files (`attach_routed_experts`). Wall and
 CPU-time medians are both printed: on a shared machine the process's CPU time (one torch thread
 by default, `--threads`) is the steadier figure.
 """

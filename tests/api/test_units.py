@@ -17,14 +17,14 @@ from trainer.serving.catalogue import (
     RES_STOPPED,
     SES_RUNNING,
     SES_STOPPED,
+    Catalogue,
     OperationRow,
     ResourceRow,
     SessionRow,
-    WorkerStore,
 )
 from trainer.serving.config import ServeConfig, is_loopback, merge_models
 from trainer.serving.errors import ApiError, field_path
-from trainer.serving.payloads import PayloadStore, offload_result
+from trainer.serving.payloads import PayloadFiles, offload_result
 from trainer.serving.requests import merge_metadata
 
 
@@ -44,7 +44,7 @@ def test_signer_binds_method_path_and_expiry() -> None:
 
 
 def test_store_pages_and_recovers(tmp_path: Path) -> None:
-    store = WorkerStore(tmp_path / "w.sqlite")
+    store = Catalogue(tmp_path / "w.sqlite")
     for i in range(5):
         store.insert(ResourceRow(f"mr{i}", {"base_model": "m"}, RES_READY, float(i), float(i)))
     first, more = store.page(ResourceRow, after=None, limit=2)
@@ -58,7 +58,7 @@ def test_store_pages_and_recovers(tmp_path: Path) -> None:
     assert [r.id for r in only] == ["mr4"]
     store.close()
 
-    reopened = WorkerStore(tmp_path / "w.sqlite")
+    reopened = Catalogue(tmp_path / "w.sqlite")
     reopened.recover(time.time())
     assert reopened.get(ResourceRow, "mr0").status == RES_STOPPED  # type: ignore[union-attr]
     session = reopened.get(SessionRow, "ts")
@@ -126,7 +126,7 @@ def test_field_paths() -> None:
 
 
 def test_large_results_go_out_by_payload(tmp_path: Path) -> None:
-    store = PayloadStore(tmp_path, max_bytes=1 << 20)
+    store = PayloadFiles(tmp_path, max_bytes=1 << 20)
     small = {"loss": 1.0, "metrics": {"m": 2.0}}
     assert offload_result(store, "ts", small, limit=1024) is small
     big = {"loss": 1.0, "metrics": {}, "loss_fn_outputs": [{"x": list(range(1000))}]}

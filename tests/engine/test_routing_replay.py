@@ -17,7 +17,7 @@ from trainer.contract.options import EngineOptions
 from trainer.contract.specs import AdamParams, LoraConfig, LossConfig, SamplingParams, SessionSpec
 from trainer.engine import moe_replay_keys
 from trainer.engine.batching.sample_batch import sample_counters
-from trainer.engine.moe_replay_keys import RouteStore
+from trainer.engine.moe_replay_keys import ReplayKeys
 from trainer.tiny import TinySpec, save_model
 
 CE = LossConfig(type="cross_entropy")
@@ -267,9 +267,9 @@ def test_keys_refused_with_the_field(moe_dir, tmp_path) -> None:
 
 def test_keys_survive_a_restart_and_keep_a_byte_budget(tmp_path) -> None:
     routes = torch.randint(0, 4, (5, 2, 2))
-    first = RouteStore(tmp_path)
+    first = ReplayKeys(tmp_path)
     key = first.put("s1", [1, 2, 3, 4, 5, 6], routes)
-    again = RouteStore(tmp_path)  # a restart: the index comes from the files
+    again = ReplayKeys(tmp_path)  # a restart: the index comes from the files
     owner, tokens, got = again.get(key)
     assert (
         owner == "s1"
@@ -278,7 +278,7 @@ def test_keys_survive_a_restart_and_keep_a_byte_budget(tmp_path) -> None:
     )
     size = (tmp_path / "routes" / f"{key}.safetensors").stat().st_size
     clock = [1000.0]
-    small = RouteStore(tmp_path / "b", ttl_s=50.0, max_bytes=2 * size, clock=lambda: clock[0])
+    small = ReplayKeys(tmp_path / "b", ttl_s=50.0, max_bytes=2 * size, clock=lambda: clock[0])
     keys = []
     for _ in range(3):
         keys.append(small.put("s", [1, 2, 3, 4, 5, 6], routes))
@@ -347,7 +347,7 @@ def test_batched_samples_record_each_rows_routes(moe_dir, tmp_path, monkeypatch)
         seqs = results[s.id]
         probes = [_probe(q, q["key"]) for q in seqs]
         prepared = s._prepare(probes)
-        assert all(p.routes is not None for p in prepared)
+        assert all(p.routed_experts is not None for p in prepared)
         assert not resource.scheduler.eligible(s, prepared)  # keyed samples run alone
         for seq, lp in zip(seqs, _forward(s, probes), strict=True):
             n_prompt = len(seq["prompt"])

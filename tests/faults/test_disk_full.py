@@ -318,12 +318,12 @@ def test_an_operation_running_when_the_disk_fills_still_finishes(tmp_path: Path)
     be written (a real SQLITE_FULL). A client polling it must still see it finish, with its
     output, and the catalogue gets the outcome once space is back: it used to stay PENDING
     forever, and the client polled until its timeout."""
-    from trainer.serving.catalogue import OP_PENDING, OperationRow, WorkerStore
+    from trainer.serving.catalogue import OP_PENDING, Catalogue, OperationRow
     from trainer.serving.queues import Job, OperationLog
 
     storage = tmp_path / "storage"
     with _tmpfs(storage, "4m"):
-        store = WorkerStore(storage / "worker.sqlite")
+        store = Catalogue(storage / "worker.sqlite")
         oplog = OperationLog(store)
         done = oplog.create("ts_x", "forward-backward", "key-1", "hash")
         failed = oplog.create("ts_x", "forward-backward", "key-2", "hash")
@@ -347,7 +347,7 @@ def test_an_operation_running_when_the_disk_fills_still_finishes(tmp_path: Path)
         filler.unlink()
         assert oplog.flush() == 0
         store.close()
-        reopened = WorkerStore(storage / "worker.sqlite")  # what a restart reads
+        reopened = Catalogue(storage / "worker.sqlite")  # what a restart reads
         row = reopened.get(OperationRow, done.id)
         assert row is not None and (row.status, row.output) == (COMPLETED, {"loss": 1.5})
         row_failed = reopened.get(OperationRow, failed.id)

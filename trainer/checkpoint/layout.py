@@ -1,22 +1,7 @@
 """A training checkpoint's layout, written and read in one place, for LoRA and full weights,
 one rank or many.
 
-    state.json            format, kind, counters, seeds, specs (and world_size past 1 rank)
-    rng.safetensors       the session's RNG states (`cpu`, `cuda<i>`)
-    weights.safetensors   trainable tensors under their canonical names    } replicated tensors
-    optimizer.safetensors AdamW state under `name::slot`                   } (one process, LoRA)
-    sharded/              the same keys as DCP shards, one safetensors file per rank
-                          (`HuggingFaceStorageWriter(save_distributed=True)`): FSDP2 weights
-
-Inference checkpoints hold `adapter/` (PEFT, LoRA) and `merged/` (`write_inference`).
-Every resume reads through here: a training checkpoint (`read_training`), an inference
-checkpoint (`inference_weights`, then `read_directory`) or a Hugging Face directory
-(`read_directory`, `load_directory_weights`).
-
-The format version is 1, and every checkpoint of that format resumes as it is
-(`tests/fixtures/checkpoints_v1`). Either layout resumes under any world size: DCP-loads
-straight into this rank's shards, or reads full tensors in one process (`read_sharded`, no
-process group).
+Design notes: `docs/design/checkpoints.md`.
 """
 
 from __future__ import annotations

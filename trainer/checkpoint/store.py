@@ -1,24 +1,6 @@
 """Checkpoint storage: atomic directories, a sha256 manifest, and a SQLite catalogue.
 
-Layout under the storage root:
-
-    checkpoints/<id>/manifest.json      {"files": {relpath: {"sha256", "size"}}, ...}
-    checkpoints/<id>/...                the payload (safetensors + JSON only, never pickle)
-    tmp/<id>.partial/                   a checkpoint being written (removed at start-up)
-    quarantine/<id>-<utc time>-<tag>/   a directory found damaged at start-up, moved aside
-    catalog.sqlite                      one row per complete checkpoint
-
-A checkpoint is written into `tmp/`, every file and the directory are fsynced, the manifest is
-written last, the directory is renamed into `checkpoints/`, and only then is the catalogue row
-inserted. A crash at any moment leaves either no trace (the partial directory is swept at the
-next start) or a complete checkpoint. A directory without a catalogue row is adopted from its
-manifest at start-up, so a crash between the rename and the insert loses nothing; one whose
-manifest is missing or unreadable, or whose files do not match it, is moved to `quarantine/`
-with a warning in the log, never deleted and never fatal.
-
-Reading trusts the manifest, not the directory: a download variant lists the manifest's files
-(a deleted file is an error, not an omission), and a file is served or resumed only after its
-sha256 matches (`VerifiedFiles` remembers matches, so repeated downloads do not re-hash).
+Design notes: `docs/design/checkpoints.md`.
 """
 
 from __future__ import annotations

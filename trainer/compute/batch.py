@@ -39,8 +39,9 @@ class PreparedSample:
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # fp32 per-token inputs
     keep_all: bool = False  # compute (and return) every position; the loss still reads mask_T
     # MoE routing replay: recorded expert ids [positions, layers, k] of its first positions
-    # (`route_keys.attach_routes`); they follow the sample wherever it is packed (`routing.plan`)
-    routes: torch.Tensor | None = None
+    # (`moe_replay_keys.attach_routed_experts`); they follow the sample wherever it is packed
+    # (`moe_replay.plan`)
+    routed_experts: torch.Tensor | None = None
 
     @property
     def length(self) -> int:

@@ -1,26 +1,6 @@
 """Per-token logprobs of the target tokens, from hidden states, chunked over tokens.
 
-The output head is applied to at most `chunk_tokens` rows at a time, so the full fp32 `[N, V]`
-logits never exist: peak extra memory is one chunk's `[C, V]` fp32 logits. The log-sum-exp
-and the gather run in fp32 whatever the head's dtype (bf16 matmuls, fp32 softmax math).
-
-Two backward paths, one result:
-- a head that is a sum of linear terms (`nn.Linear`, tied or untied, frozen or trained; a peft
-  LoRA `Linear` around it, i.e. `train_unembed`, dropout included) goes through
-  `_LinearLogprobs`, a custom autograd function. The forward keeps only the per-token
-  log-sum-exp; the backward recomputes one chunk of logits at a time and turns it in place into
-  `g · (onehot − softmax)`, then into the input and weight gradients. One `[C, V]` buffer per
-  chunk (`torch.utils.checkpoint` of each chunk peaks at ~5: 3.1 GB against 0.65 GB at T=4096), no
-  graph over the logits, and no weight-gradient matmul for a frozen weight (the base head
-  under LoRA: 6·C·H·V FLOPs per chunk instead of 8).
-- any other head is recomputed per chunk with `torch.utils.checkpoint`, which replays the RNG
-  state.
-- opt-in (`backend="liger"`, the engine's `logprob_backend`): liger-kernel's fused linear
-  cross entropy on CUDA, for a plain `nn.Linear` head, when the package is installed.
-
-`torch.logsumexp` is avoided on purpose: on CPU it is ~5x slower than max + exp + sum over a
-`[1024, 151936]` chunk. This is the one place that turns hidden states into logprobs; the
-engine and the sampler both call it.
+Design notes: `docs/design/compute.md`.
 """
 
 from __future__ import annotations

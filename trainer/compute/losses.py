@@ -1,41 +1,6 @@
 """Built-in RL losses (docs/semantics.md): one pure function per loss, picked from `LOSSES`.
 
-Shape letters (as in `trainer/compute/batch.py`): P = the kept (predicted) positions of one
-micro-batch,
-flattened over its samples; B = samples in that batch. Per token t: lp_t = current logprob,
-q_t = sampler logprob (`loss_fn_inputs.logprobs`), A_t = advantage, ref_t = reference logprob,
-m_t = mask in {0, 1}, w_t = weight (cross entropy), r_t = exp(lp_t - q_t), sg = stop-gradient.
-
-Reduction, the load-bearing knob, stated here once and in every docstring:
-- Every loss except GRPO is a plain SUM over the masked tokens of the batch (no mean).
-- GRPO divides by call-level denominators taken from `LossNorm` (`trainer.compute.batch`) only,
-never
-  from the batch.
-So the `loss` of a call split into micro-batches (by whole samples, same `LossNorm`) is the sum
-of the micro-batch losses, for every loss and every GRPO aggregation.
-
-Numerics: all loss math is fp32. Masked tokens go through `torch.where(m != 0, expr, 0)`, and
-every exponent is masked *before* `exp`, so a masked token cannot put NaN/Inf into the loss or
-into the gradient (docs/semantics.md §3). Non-finite values at kept tokens are left for the engine
-to
-report as NON_FINITE_LOSS.
-
-Inputs: what each loss needs (required `loss_fn_inputs`, whether weights are a mask, rules such
-as "GRPO with β > 0 needs reference logprobs") is declared once, in the registry
-`trainer.contract.losses.LOSS_SPECS`, and which `LossInputs` field carries each input in
-`LOSS_INPUTS`; `pick_loss` checks it and binds the parsed params, once per call. The functions
-below only compute; `LOSSES` maps each registry entry to its function.
-
-Metrics are `name -> (numerator, denominator)` Python floats; the reported value is
-Σ numerators / Σ denominators over the micro-batches of a call. All are means over masked tokens
-(denominator Σ m):
-- `loss/logprob/mean`: lp_t.
-- `loss/ratio/mean`: r_t (GRPO SEQUENCE: the sample's sequence ratio ρ_t, counted per token).
-- `loss/clip/low_fraction`, `loss/clip/high_fraction` (PPO, CISPO, GRPO): share of masked tokens
-  whose ratio is strictly below `clip_low_threshold` / strictly above `clip_high_threshold`,
-  whatever the sign of A_t (so it measures the ratio's spread, not only the active clips).
-- `loss/kl_ref/mean` (GRPO, whenever reference_logprobs is given): k3_t.
-- `loss/dppo/masked_fraction` (DPPO): share of masked tokens outside the trust region (keep_t = 0).
+Design notes: `docs/design/compute.md`.
 """
 
 from __future__ import annotations

@@ -1,22 +1,6 @@
 """Mixture-of-experts routing: recorded at sampling, forced at training (docs/semantics.md §12).
 
-The routers are transformers 5.x's top-k router modules (`Qwen3MoeTopKRouter`: the `gate` of
-each `Qwen3MoeSparseMoeBlock`), whose forward takes the flattened `[N, H]` hidden states of a
-call and returns `(router_logits [N, E], combine weights [N, k], expert ids [N, k])`; the
-experts then combine the chosen ids with those weights. A model without such a module is dense:
-`routers(model)` is empty and nothing here applies.
-
-- `Recorder` (sampling): a forward hook on each router keeps the expert ids of every call while
-  it is armed (only during the sample's own model calls: it is disarmed while the sample yields
-  its turn, when other operations use the same model), then cuts them per generated row: every
-  position the generator ran, i.e. the prompt and every completion token but the last (never
-  fed back).
-- `replaying` (training): each router's instance `forward` is replaced, for one micro-batch, by
-  one that sends each forced position to its recorded experts, with the combine weights the
-  current router gives them (its softmax over all experts read at those ids, renormalised when
-  the router's `norm_topk_prob` is set), so the router keeps its gradient (R3). Positions without
-  a recorded route keep the router's own choice, bit for bit. Checkpointed decoder layers
-  (activation checkpointing) recompute under the same forced forwards.
+Design notes: `docs/design/compute.md`.
 """
 
 from __future__ import annotations
@@ -42,7 +26,7 @@ def routers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in ROUTER_CLASSES]
 
 
-def route_shape(model: nn.Module) -> tuple[int, int] | None:
+def routing_shape(model: nn.Module) -> tuple[int, int] | None:
     """(MoE layers, experts per token), or None for a dense model."""
     found = routers(model)
     if not found:
@@ -133,7 +117,8 @@ def assign(
     groups: list[list[list[Any]]],
     wanted: list[bool],
 ) -> None:
-    """Each generated sequence's routes onto it (`Sequence.routes`), for the calls that asked.
+    """Each generated sequence's expert ids onto it (`Sequence.routed_experts`), for the calls
+    that asked.
     Per call (one, or each job of a batched generation): its prompts and its sequences grouped
     by prompt, in the generation's row order (call, then prompt, then sample)."""
     recorder.armed = False  # later calls (prompt logprobs) are not the generation's
@@ -149,7 +134,7 @@ def assign(
     made = [len(seq.tokens) for seq in sequences]
     for seq, routes, want in zip(sequences, recorder.per_row(rows_prompts, made), wants):
         if want:
-            seq.routes = routes
+            seq.routed_experts = routes
 
 
 # -- replay ----------------------------------------------------------------------------------
@@ -186,17 +171,18 @@ def plan(batch: Any, attn_implementation: str | None) -> tuple[torch.Tensor, tor
     The order is `MicroBatch.decoder_inputs`': padded rows `[R*L]`, or (varlen attention) the
     real tokens of the rows end to end. Each sample's routes go to its own positions
     (`segment_R_L == sample.index`), wherever it was packed."""
-    carried = [s for s in batch.samples if getattr(s, "routes", None) is not None]
+    carried = [s for s in batch.samples if s.routed_experts is not None]
     if not carried:
         return None
     segment = batch.segment_R_L
     flat = segment[segment >= 0] if is_varlen(attn_implementation) else segment.reshape(-1)
-    shape = carried[0].routes.shape[1:]
+    shape = carried[0].routed_experts.shape[1:]
     forced = torch.zeros((flat.shape[0], *shape), dtype=torch.long)
     use = torch.zeros(flat.shape[0], dtype=torch.bool)
     for sample in carried:
-        positions = torch.nonzero(flat == sample.index).squeeze(-1)[: sample.routes.shape[0]]
-        forced[positions] = sample.routes[: positions.shape[0]].long()
+        recorded = sample.routed_experts
+        positions = torch.nonzero(flat == sample.index).squeeze(-1)[: recorded.shape[0]]
+        forced[positions] = sample.routed_experts[: positions.shape[0]].long()
         use[positions] = True
     return forced, use
 

@@ -1,47 +1,6 @@
 """Segment-wise multi-adapter LoRA: one forward/backward over the tokens of several adapters.
 
-peft applies the *active* adapter to every token; its mixed-adapter batches (`adapter_names=`)
-are for inference only and split by whole rows. `segmented` makes every peft LoRA layer of a
-model apply, for each contiguous range of flattened token positions, that range's own adapter:
-
-    out[s:e] = base(x)[s:e] + lora_B_a(lora_A_a(dropout_a(x[s:e]))) * scaling_a
-
-with one matmul pair per (layer, segment) and no per-token Python. Positions outside every
-segment, and segments whose adapter is None or absent from a layer, get `base(x)`. Gradients
-reach an adapter's `lora_A`/`lora_B` only from its own positions, and only when those
-parameters require grad at forward time (`LoraPolicy` activates one adapter trainable: a caller
-running several sessions' adapters makes each of them trainable first, `policy.train_only`).
-
-Positions are those of `x.reshape(-1, in_features)`: a packed row `[1, N, H]` or padded rows
-`[B, T, H]` (row b, column t is position `b * T + t`), the same in every layer. A *run* is a
-group of segments next to each other both in the list and in positions, with one adapter: it
-is computed (and draws its dropout mask) as one. A layer fed other positions than the decoder's
-is not covered: the engine's head is applied to the kept positions only, in chunks, and outside
-the layer's forward (`logprobs.linear_terms` reads the active adapter), so a shared pass runs
-the decoder under `segmented` and the head per adapter.
-
-Dropout and randomness (train mode, dropout > 0): each run draws one Bernoulli mask of shape
-`[end - start, in_features]` through its adapter's own `lora_dropout` module. The draws happen
-in the order the model calls its LoRA layers, and within a layer in the order of the runs in
-`segments` (runs whose adapter is absent from the layer, or without dropout, draw nothing;
-None segments are never drawn for). By
-default they come from the global RNG. With `generators={adapter: torch.Generator}` the runs of
-those adapters draw from their own generator instead (on the input's device), the mask built as
-`empty_like(x).bernoulli_(1 - p, generator=g) / (1 - p)`: on CPU this is bit for bit what
-`nn.Dropout` draws from a global RNG in the same state, so a session whose tokens form one run
-sees the same masks as a solo packed pass started from the same RNG state.
-
-Activation checkpointing (transformers' `gradient_checkpointing_enable`): a checkpointed
-layer recomputes its forward during backward, possibly after the context has exited. The
-context wraps each checkpointed module's `_gradient_checkpointing_func` so that the recompute
-runs under the same segment-wise forwards, with the `generators` replayed from their state at
-the first run and left where they were (the checkpoint itself replays only the global RNG).
-
-Refused (ValueError): overlapping or out-of-range segments, a LoRA variant (DoRA and the like)
-or a layer type other than peft's `lora.Linear` holding a segment's adapter, merged adapters,
-disabled adapters, and peft's own `adapter_names=` inside the context. The context replaces
-`forward` on the layer instances and restores what was there on exit, exception or not; contexts
-nest (the innermost wins). It changes the model for every thread: callers hold the compute lock.
+Design notes: `docs/design/batching.md`.
 """
 
 from __future__ import annotations

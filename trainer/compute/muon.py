@@ -1,23 +1,6 @@
 """Muon with its auxiliary AdamW (docs/semantics.md §10), for one rank or many.
 
-- `muon_split` states which trainable tensors Muon updates: the 2-D matrices inside the decoder
-  layers (attention and MLP projections, and a LoRA session's `lora_A`/`lora_B` there), and
-  an MoE block's fused 3-D expert stacks there, each expert's matrix on its own. Everything
-  else (embeddings, the LM head and its LoRA, norms, biases, any other tensor) goes to the
-  auxiliary AdamW.
-- Per expert: a 3-D stack (experts, out, in) is orthogonalised and scaled expert by expert;
-  so are the LoRA factors of such a stack (`expert_factors`: peft's ParamWrapper keeps
-  `lora_A` as (experts·r, in), expert e in rows e·r…, and `lora_B` as (out, r·experts),
-  expert e in columns e, e+experts, …), each expert's (r, in) and (out, r) factor alone.
-- `MuonWithAdamW` is one `torch.optim.Optimizer` over both sides, with one `state` keyed by
-  parameter: a Muon matrix holds `momentum_buffer`, an AdamW tensor its moments, so the
-  checkpoint code (`optim.state_tensors`) writes and reads both as it does for AdamW.
-- The update is `torch.optim.Muon(nesterov=True)`'s: its momentum and decay, its scale
-  (`_adjust_lr`), and its Newton–Schulz iteration, run in fp32 rather than bf16
-  (`newton_schulz`). Newton–Schulz needs the whole matrix: a DTensor shard's update (FSDP2
-  full weights) is gathered, orthogonalised on every rank alike, and each rank keeps its own
-  shard of the result; for a plain tensor these are identities.
-- `muon_step`: one global clip over both sides, then both updates, then zero gradients.
+Design notes: `docs/design/compute.md`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """Generation on the published weights: one decode loop, left-padded rows, one KV cache.
 
-A generation runs `DecodeJob`s, one per call: each is its prompts' rows (`num_samples` per
-prompt) with its own sampling params, stop rules and token generator (seeded by `seed`), and
-the weights its rows compute with (`adapter`: a LoRA adapter of the model, applied to its rows
-alone through `trainer.compute.multilora.segmented`; None: the model's active weights). One
-session's sample is a generation of one job; concurrent samples of several LoRA sessions are
-one generation of several (`trainer/engine/batching/sample_batch.py`). Every decode step feeds
-every row its chosen token, and each job draws for its own rows only, from its own generator,
-so a job draws the tokens it would draw alone.
-
-Sampled-token logprobs are the model's own (temperature 1, before top-k/top-p), so at the same
-weights they equal what forward-backward computes for the same tokens: the importance ratio of
-an on-policy sample is 1. `temperature`, `top_k` and `top_p` shape only the choice of token.
+Design notes: `docs/design/compute.md`.
 """
 
 from __future__ import annotations
@@ -44,7 +33,7 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     stop_reason: str = STOP_LENGTH
-    routes: torch.Tensor | None = (
+    routed_experts: torch.Tensor | None = (
         None  # MoE expert ids when recorded (`trainer/compute/moe_replay.py`)
     )
 
@@ -53,7 +42,7 @@ class Sequence:
 class DecodeJob:
     """One call's rows of a generation, prompt by prompt, `num_samples` rows each. A row stops
     at a token of `eos_ids`, when `stop_hit` says so, or after `params.max_tokens` tokens.
-    `record_routes`: each sequence gets the MoE experts its positions were routed to."""
+    `record_routed_experts`: each sequence gets the MoE experts its positions were routed to."""
 
     prompts: list[list[int]]
     num_samples: int
@@ -62,7 +51,7 @@ class DecodeJob:
     seed: int
     stop_hit: StopCheck | None = None
     adapter: str | None = None
-    record_routes: bool = False
+    record_routed_experts: bool = False
 
     @property
     def rows(self) -> int:
@@ -243,12 +232,12 @@ def generate(
     model meanwhile, and the MoE recording paused. It runs in the caller's grad mode."""
     turns = turns or Turns()
     rows = sum(job.rows for job in jobs)
-    wanted = any(job.record_routes for job in jobs)
+    wanted = any(job.record_routed_experts for job in jobs)
     with moe_replay.recording(model, rows, wanted) as recorder:  # MoE routing replay
         give = moe_replay.pausing(recorder, turns.give)
         groups = _generate(model, jobs, forward or model, agree, Turns(turns.every, give))
         if recorder is not None:
-            wants = [job.record_routes for job in jobs]
+            wants = [job.record_routed_experts for job in jobs]
             moe_replay.assign(recorder, [job.prompts for job in jobs], groups, wants)
     return groups
 

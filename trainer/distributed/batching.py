@@ -1,30 +1,7 @@
 """Shared passes under torchrun: rank 0's combiner of concurrent calls and the command every
 rank runs.
 
-Rank 0. Each session's operations run one at a time on its queue thread and reach its
-`DistributedSession`; a forward-backward or custom forward-backward call that may share a pass
-(`eligibility.can_share`: a LoRA session, merging on, no dropout, another live session on the
-resource) goes to the resource's `DistributedBatcher` instead of being sent alone. The batcher
-combines flat, as `trainer/engine/batching/pass_scheduler.py` does in one process: the first
-waiting thread waits `merge_window_ms`, takes every pending call (one per session by
-construction) and sends them as ONE command, `pass_group`, naming each call's session,
-operation and JSON arguments. A group of one is sent as the plain command. Sessions not in the
-group are untouched; operations that change weights never come here (barriers for their own
-session only).
-
-Every rank (`run_group`, from `spmd.Executor`). Each call's session builds its work item as its
-operation would (`TrainingSession.work_item`: the solo validation), without running it. Then,
-in call order, forward-backward calls and forward-only calls form one pass each
-(`merge_max_tokens` per pass; a call that may not share a pass, such as one that needs more
-than one micro-batch, runs in a pass of its own) through `train_pass.run_pass`, the same engine
-path as one process: each rank its share of each call's samples, the FSDP root, one report
-exchange, global failures and finite checks, replicated gradients summed. Every rank decides the
-same groups from the same command, so the collectives stay in step.
-
-Outcome: the command returns one outcome per call, the same on every rank (failures are global),
-so the command itself succeeds and rank 0 hands each waiting thread its result or its own
-`OperationError`: a call that fails (bad input, non-finite loss) fails alone and leaves its
-session unchanged. Any other exception fails the command, and the group, as any command does.
+Design notes: `docs/design/distributed.md`.
 """
 
 from __future__ import annotations

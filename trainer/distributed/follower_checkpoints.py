@@ -10,7 +10,7 @@ from trainer.checkpoint.layout import placeholder_record
 from trainer.checkpoint.store import CheckpointRecord
 
 
-class FollowerStore:
+class FollowerCheckpoints:
     """The catalogue lives on rank 0 only; these ranks write their shards into the directory
     rank 0 created (the writer receives its path) and resume from checkpoints rank 0 has
     verified (`known`, filled by each command)."""

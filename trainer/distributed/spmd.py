@@ -22,7 +22,7 @@ from trainer.contract.options import EngineOptions
 from trainer.contract.specs import LoraConfig, ModelEntry, ResourceSpec, SessionSpec
 from trainer.distributed.batching import PASS_GROUP_OP, DistributedBatcher, run_group
 from trainer.distributed.comm import Comm
-from trainer.distributed.follower_store import FollowerStore
+from trainer.distributed.follower_checkpoints import FollowerCheckpoints
 from trainer.distributed.sharding import Sharded
 from trainer.engine.batching.work import WorkItem
 from trainer.engine.faults import fault_point
@@ -85,18 +85,18 @@ class Executor:
         self.options = options
         self.cpu_offload = cpu_offload
         self.resources: dict[str, ModelResource] = {}
-        self.follower_store = FollowerStore()
+        self.follower_checkpoints = FollowerCheckpoints()
 
     def run(self, command: dict[str, Any], store: CheckpointStore | None = None) -> Any:
         op = command["op"]
         fault_point(op)
         if op == "load_resource":
             for record in command.get("checkpoints", []):  # a verified `base_weights_ref`
-                self.follower_store.known[record["id"]] = _record_from_json(record)
+                self.follower_checkpoints.known[record["id"]] = _record_from_json(record)
             resource = ModelResource(
                 ModelEntry.model_validate(command["entry"]),
                 ResourceSpec.model_validate(command["spec"]),
-                store if store is not None else cast(CheckpointStore, self.follower_store),
+                store if store is not None else cast(CheckpointStore, self.follower_checkpoints),
                 options=self.options,
                 placement=Sharded(self.comm, self.cpu_offload),
             )
@@ -108,7 +108,7 @@ class Executor:
             return None
         if op == "create_session":
             for record in command.get("checkpoints", []):
-                self.follower_store.known[record["id"]] = _record_from_json(record)
+                self.follower_checkpoints.known[record["id"]] = _record_from_json(record)
             return resource.create_session(
                 command["session"], SessionSpec.model_validate(command["spec"])
             )

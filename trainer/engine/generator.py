@@ -1,22 +1,6 @@
 """A session's generator: what serves its samples, and the weights-sync and sample operations.
 
-`Generator` is the interface: it publishes the session's trainable weights (at once, or as a
-snapshot taken at weights-sync and served later), generates a validated call's tokens and
-logprobs (its prompt logprobs too), and validates sample calls against the model. The
-in-process one runs on the resource's model (`trainer/engine/in_process.py`, where
-`generator_for` picks a session's). The session holds its generator (`TrainingSession.generator`)
-and its operations run through it here, with the same versions for any generator:
-
-- weights-sync (`sync_weights`): `target_weights_version` becomes `trainer_step`. SYNCHRONOUS
-  publishes at once (`applied_weights_version` too); BACKGROUND_PUBLISH and PIPELINE queue a
-  snapshot (`pending_publish`) that the next sample serves before generating.
-- sample (`sample_alone`), in the session's `operation_scope`, which restores the session's RNG
-  stream, step and versions when the operation fails and runs the undo actions it registered:
-  a pending publish is served and the reverse registered, so a sample that fails leaves the
-  generator, `applied_weights_version` and `pending_publish` as they were. The sequences come
-  from one weights version: `policy_segments` is one segment. A generator may run concurrent
-  samples of several sessions together (`Generator.sample`), each session's state kept as
-  here.
+Design notes: `docs/design/engine.md`.
 """
 
 from __future__ import annotations
@@ -100,7 +84,7 @@ class SampleCall:
             seed=seed,
             stop_hit=self.stop_hit,
             adapter=adapter,
-            record_routes=self.return_routed_experts,
+            record_routed_experts=self.return_routed_experts,
         )
 
 

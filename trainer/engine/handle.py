@@ -29,7 +29,7 @@ class ResourceHandle(SharingResource, Protocol):
 
     @property
     def store(self) -> CheckpointStore:
-        """The checkpoint catalogue (`FollowerStore` on ranks ≠ 0, which lists nothing)."""
+        """The checkpoint catalogue (`FollowerCheckpoints` on ranks ≠ 0, which lists nothing)."""
 
     @property
     def scheduler(self) -> PassScheduler:

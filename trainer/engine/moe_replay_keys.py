@@ -2,23 +2,7 @@
 samples
 issue and use them.
 
-A key is `re-` and 32 hex digits. It names one file, `<storage>/routes/<key>.safetensors`, with
-two tensors, `tokens` (the sequence: prompt then completion, int64) and `routes` (`[positions,
-MoE layers, experts per token]`, int16: the expert ids the generator's router chose at every
-position it ran, i.e. all but the last token), and a JSON header (`session_id`, `created_at`).
-Files are written to a temporary name and renamed, so a key exists whole or not at all, and a
-restart finds them (`RouteStore` rebuilds its index from the directory).
-
-Keys expire `routes_ttl_s` after creation (default 2 h), and the files are kept within
-`routes_max_bytes` (oldest dropped first; the key just written always stays). Both are
-`[engine]` knobs.
-
-Using a key (`attach_routes`, before a call touches any state): unknown, expired, malformed or
-another session's key, or a sample whose tokens do not match the recorded sequence over the
-whole sample or all but its final token, is INVALID_INPUT naming
-`samples[i].routed_experts_key`. The sample then carries `routes` for its first positions: all
-of them, or all but the final one when that token is past the recording or differs from it
-(that position keeps the router's own choice).
+Design notes: `docs/design/engine.md`.
 """
 
 from __future__ import annotations
@@ -35,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from trainer.compute.moe_replay import route_shape
+from trainer.compute.moe_replay import routing_shape
 from trainer.contract.errors import OperationError, invalid
 from trainer.contract.options import ROUTES_MAX_BYTES, ROUTES_TTL_S
 
@@ -47,7 +31,7 @@ class UnknownKey(LookupError):
     """The key is malformed, unknown or expired."""
 
 
-class RouteStore:
+class ReplayKeys:
     """The key files under one storage root. Thread-safe; `clock` is for tests."""
 
     def __init__(
@@ -154,17 +138,17 @@ class RouteStore:
                 raise UnknownKey("unknown key") from exc
 
 
-_STORES: dict[Path, RouteStore] = {}
+_STORES: dict[Path, ReplayKeys] = {}
 _STORES_LOCK = threading.Lock()
 
 
-def store_for(session: Any) -> RouteStore:
+def store_for(session: Any) -> ReplayKeys:
     """The key store under the session's storage root, with its `[engine]` limits."""
     root = Path(str(session.resource.store.root)).resolve()
     with _STORES_LOCK:
         store = _STORES.get(root)
         if store is None:
-            store = _STORES[root] = RouteStore(root)
+            store = _STORES[root] = ReplayKeys(root)
     store.ttl_s = float(session.options.routes_ttl_s)
     store.max_bytes = int(session.options.routes_max_bytes)
     return store
@@ -173,16 +157,18 @@ def store_for(session: Any) -> RouteStore:
 def issue_keys(session: Any, prompt: list[int], group: list[Any]) -> list[str | None]:
     """A key per sequence of one prompt's group (None for a sequence without routes). Only
     rank 0 writes (its keys are the ones the client sees; the files are shared)."""
-    if session.comm.rank != 0 or all(getattr(s, "routes", None) is None for s in group):
+    if session.comm.rank != 0 or all(s.routed_experts is None for s in group):
         return [None] * len(group)
     store = store_for(session)
     return [
-        None if seq.routes is None else store.put(session.id, prompt + seq.tokens, seq.routes)
+        None
+        if seq.routed_experts is None
+        else store.put(session.id, prompt + seq.tokens, seq.routed_experts)
         for seq in group
     ]
 
 
-def attach_routes(session: Any, samples: list[Any], prepared: list[Any]) -> None:
+def attach_routed_experts(session: Any, samples: list[Any], prepared: list[Any]) -> None:
     """Each keyed sample's recorded routes onto its prepared sample (module docstring).
 
     Under several ranks only rank 0 reads the keys (the other ranks' checkpoint store does not
@@ -208,13 +194,13 @@ def attach_routes(session: Any, samples: list[Any], prepared: list[Any]) -> None
             raise invalid(field, str(first["message"]).removeprefix(f"{field}: "))
         found = {int(i): torch.tensor(r, dtype=torch.int16) for i, r in first["routes"].items()}
     for i, routes in found.items():
-        prepared[i].routes = routes
+        prepared[i].routed_experts = routes
 
 
 def _resolve(
     session: Any, keyed: list[tuple[int, str]], prepared: list[Any]
 ) -> dict[int, torch.Tensor]:
-    shape = route_shape(session.policy.model)
+    shape = routing_shape(session.policy.model)
     store = store_for(session)
     found: dict[int, torch.Tensor] = {}
     for i, key in keyed:

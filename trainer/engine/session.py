@@ -1,27 +1,6 @@
 """One training session: its policy, optimizer, counters and RNG, and its atomic operations.
 
-Every operation validates its input before touching any state, runs under the resource lock
-(one GPU, many LoRA sessions), and either completes or leaves no trace:
-- forward-backward computes new gradients apart from the accumulated ones and adds them only
-  when loss and gradients are finite;
-- optim-step checks the gradient norm before AdamW touches a weight;
-- a checkpoint is listed only once complete (see `checkpoint/store.py`);
-- any operation that raises gets back the RNG state, step and versions (pending publish
-  included) it started with, and its registered undo actions run (`operation_scope`); a sample
-  swaps a pending publish back out of the generator that way (`engine/generator.py`).
-
-Each session has its own RNG state (LoRA dropout, sampling without a seed): it is swapped in
-for the session's operations only, so interleaved sessions do not perturb each other and a
-resumed session continues bit for bit.
-
-One code path for any world size: the resource's placement (`trainer/compute/placement.py`) says
-where the model lives and gives the communicator. In one process (`Plain`, `Solo`) every
-collective is an identity; under torchrun (`distributed.sharding.Sharded`, `distributed.comm`)
-each rank runs its share of the samples, as many micro-batches as the busiest rank, and the
-losses, metrics, finite checks and gradient norm are global. A forward(-backward) call runs as
-a pass (`batching/train_pass.py`), alone or shared with other sessions' calls; the session is
-what the pass sees of it (`batching/work.py`: `PassSession`). The optimizer is `optim.py`; the
-checkpoint layout is `checkpoint/layout.py`.
+Design notes: `docs/design/engine.md`.
 """
 
 from __future__ import annotations
@@ -58,7 +37,7 @@ from trainer.contract.specs import (
 from trainer.engine.batching.work import GradStash, WorkItem
 from trainer.engine.generator import Generator, Undo, Versions, sync_weights
 from trainer.engine.in_process import generator_for
-from trainer.engine.moe_replay_keys import attach_routes
+from trainer.engine.moe_replay_keys import attach_routed_experts
 from trainer.engine.tracking import worker_run
 
 if TYPE_CHECKING:
@@ -185,7 +164,7 @@ class TrainingSession:
             weights_are_mask=weights_are_mask,
             gradients=gradients,
         )
-        attach_routes(self, samples, prepared)  # MoE routing replay (docs/semantics.md §12)
+        attach_routed_experts(self, samples, prepared)  # MoE routing replay (docs/semantics.md §12)
         return prepared
 
     # -- forward / backward (the pass: `batching/train_pass.py`) -----------------------------

@@ -1,32 +1,6 @@
 """The GRPO loop (and its cross-entropy twin), one readable function per stage.
 
-One step:
-    sample G completions per prompt (published weights, version v)
-      → reward each completion (the task's verifier)
-      → group-normalised advantages
-      → GRPO samples: prompt tokens masked out, sampler logprobs as `logprobs`
-      → forward-backward (GRPO) → optim-step (version v+1) → weights-sync
-
-Modes:
-- on_policy: weights-sync is SYNCHRONOUS and the next batch is sampled after it, so every
-  batch comes from the weights being trained (staleness 0).
-- off_policy: the next batch is queued on the worker *before* this batch is trained, and
-  weights-sync is BACKGROUND_PUBLISH (the next sample applies it). Sampling of batch k+1 thus
-  overlaps the client's work on batch k, and batch k+1 is one version behind the weights that
-  train on it (staleness 1). Versions are read from each result's `policy_segments`, never
-  assumed, and logged as `version/staleness`.
-
-The SFT objective runs through the same `step` function: the batch is still sampled (one
-completion per prompt, to report the reward), but the samples trained are the reference answers
-with cross-entropy weights on the answer tokens.
-
-Per-step metrics (one dict per step, `/`-namespaced): `reward/mean|std` over all completions;
-`loss` and `loss/*` from forward-backward; `kl` = k3 estimate of KL(sampler ‖ trainer) on the
-trained tokens (0 on-policy); `grad_norm` from optim-step (before clipping); `tokens_per_s` =
-(tokens trained + tokens sampled) / step wall time; `weights_version` from weights-sync;
-`version/sampled_min` (oldest policy version in the batch) and `version/staleness`.
-
-Letters: P = prompts per step, G = completions per prompt, T = tokens of one sample.
+Design notes: `docs/design/rl.md`.
 """
 
 from __future__ import annotations

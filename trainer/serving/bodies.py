@@ -1,21 +1,6 @@
 """Request bodies off the event loop and off the GIL: spooled, parsed in a child process.
 
-A body is read in chunks as it arrives. Up to `inline_max` bytes (1 MiB) it stays in memory and
-is decoded in a worker thread (`trainer.serving.jsonparse.decode_object`: milliseconds). Past that
-it
-is spooled to a file under `<storage>/bodies/` and parsed by `BodyParser`'s child process
-(`python -m trainer.serving.jsonparse`), as are uploaded payloads, which are files already. The
-child
-holds its own GIL and its own memory while it decodes; the worker gets back a small skeleton
-and the bulk arrays as numpy views of one binary file. So `/healthz` keeps answering and the
-worker's resident set grows by about the arrays' size (8 bytes a number), not by a Python object
-per number.
-
-One child, started on first use, parses one body at a time; at most `max_waiting` large bodies
-wait for it (more are a 503 the client may retry). A child that dies is restarted on the next
-body: killed by the kernel (SIGKILL: out of memory) its body is a 507, any other death a 500,
-and a parse past `timeout_s` is a 503. Malformed JSON, nesting past `MAX_DEPTH` and integers
-outside int64 are 400s naming the field (`trainer.serving.jsonparse`).
+Design notes: `docs/design/serving.md`.
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ def open_db(path: Path, schema: str) -> sqlite3.Connection:
     return db
 
 
-class WorkerStore:
+class Catalogue:
     """Thread-safe: one connection, one lock; every write commits immediately."""
 
     def __init__(self, path: Path) -> None:

@@ -1,31 +1,6 @@
 """Typed settings of `trainer serve`: a TOML file plus a few command-line overrides.
 
-TOML layout (every key optional except what the command line does not give)::
-
-    host = "127.0.0.1"
-    port = 8321
-    storage = "/var/lib/trainer"
-
-    [[model]]
-    name = "qwen3-0.6b"
-    location = "Qwen/Qwen3-0.6B"
-    max_seq_length = 8192
-    max_lora_rank = 64
-
-    [engine]                      # trainer.contract.options.EngineOptions: every resource and
-    session
-    row_tokens = 2048
-    token_budget = 16384
-    chunk_tokens = 1024
-    activation_checkpointing = false
-    logprob_backend = "ours"
-
-    [distributed]                 # trainer.contract.options.DistributedOptions: under torchrun
-    cpu_offload = false
-    collective_timeout_s = 600
-
-Every `[engine]` / `[distributed]` key also has a flag, `--engine-row-tokens 4096`,
-`--distributed-cpu-offload` (`trainer.contract.options.add_option_flags`), which wins over the file.
+Design notes: `docs/design/serving.md`.
 """
 
 from __future__ import annotations

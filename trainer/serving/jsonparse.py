@@ -1,31 +1,6 @@
 """JSON request bodies: decoded within bounds, their bulk numbers packed into arrays.
 
-One set of rules for every body, whichever process parses it:
-
-- `orjson` decodes. Where it refuses a document, or could read it differently from the standard
-  library (integers of 19 or more digits, which it turns into floats past 64 bits), `json.loads`
-  decides instead, so every accepted body means exactly what it meant before (NaN, Infinity,
-  1e400, UTF-16, lone surrogates included) and every refused one gets the same message.
-- Containers nested deeper than `MAX_DEPTH` are refused with the path where the limit is
-  crossed (`json.loads` would raise `RecursionError`).
-- Integers outside int64 are refused with their path, before Python converts them (past 4,300
-  digits `int()` raises).
-
-Large bodies are parsed here in a child process (`python -m trainer.serving.jsonparse`, driven by
-`trainer.serving.bodies.BodyParser`), so the worker's event loop and its GIL stay free while a
-60 MB body is decoded. The child also packs the bulk numeric lists of an operation body
-(`PACKED_PATHS`: chunk tokens, `loss_fn_inputs.*.data`, gradient data, prompt tokens) into one
-binary file of int64/float64 values, and answers a small JSON skeleton with `null` where each
-array was, plus where each array lies in the file. The worker maps them back with numpy: no
-Python object per number ever exists in the worker. Lists that do not pack exactly (strings,
-booleans, integers past 2**53 mixed with floats) stay lists and validate as lists.
-
-Protocol: one JSON request per line on stdin, `{"src", "blob", "pack", "empty_ok"}`; one
-JSON reply per line on stdout, `{"ok": true, "skeleton": ..., "arrays": {"paths": [...],
-"kinds": "ifi...", "counts": [...]}}` (each path a JSON list, `i` int64 or `f` float64, the
-arrays laid end to end in the blob file: flat, so the worker allocates a few objects, not a few
-per array) or `{"ok": false, "kind": ..., "message": ..., "param": ...}`. The child exits when
-its stdin closes (the worker went away).
+Design notes: `docs/design/serving.md`.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ from trainer.serving.catalogue import (
     RES_PENDING,
     RES_READY,
     RES_STOPPED,
+    Catalogue,
     ResourceRow,
-    WorkerStore,
 )
 from trainer.serving.engine_protocols import EngineResource
 from trainer.serving.errors import ApiError, bad_request, failed_precondition
@@ -69,7 +69,7 @@ class LiveResource:
 class ResourceManager:
     def __init__(
         self,
-        store: WorkerStore,
+        store: Catalogue,
         checkpoints: CheckpointStore,
         loader: Loader,
         device: str | None,

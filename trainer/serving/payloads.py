@@ -34,7 +34,7 @@ from trainer.serving.jsonparse import BodyError
 _ID = re.compile(r"^pl_[0-9a-f]{32}$")
 
 
-class PayloadStore:
+class PayloadFiles:
     def __init__(self, root: Path, max_bytes: int) -> None:
         self.root = root
         self.max_bytes = max_bytes
@@ -143,7 +143,7 @@ class PayloadStore:
 
 
 def offload_result(
-    store: PayloadStore, session_id: str, output: dict[str, Any], limit: int
+    store: PayloadFiles, session_id: str, output: dict[str, Any], limit: int
 ) -> dict[str, Any]:
     """Keep `loss` and `metrics` inline; move the rest to a payload when the output is large."""
     if len(json.dumps(output, separators=(",", ":"))) <= limit:

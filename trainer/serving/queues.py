@@ -30,8 +30,8 @@ from trainer.serving.catalogue import (
     OP_FAILED,
     OP_PENDING,
     OP_RUNNING,
+    Catalogue,
     OperationRow,
-    WorkerStore,
 )
 from trainer.serving.errors import is_disk_full
 
@@ -140,7 +140,7 @@ class SessionQueue:
 class OperationLog:
     """Records operations and runs a job's call with the outcome mapped to wire statuses."""
 
-    def __init__(self, store: WorkerStore) -> None:
+    def __init__(self, store: Catalogue) -> None:
         self.store = store
         self.futures: dict[str, Future[None]] = {}
         self.closed = False

@@ -1,6 +1,6 @@
 """The worker's state machine: resources, sessions and their operation queues, and shutdown.
 
-Route handlers call into one `Worker`; it owns the catalogue (`WorkerStore`), the engine's
+Route handlers call into one `Worker`; it owns the catalogue (`Catalogue`), the engine's
 `CheckpointStore`, payload files, the loaded resources and one FIFO queue per live session.
 Blocking calls (engine work, joins) are made from worker threads, never the event loop.
 """
@@ -34,17 +34,17 @@ from trainer.serving.catalogue import (
     SES_RUNNING,
     SES_STOPPED,
     SES_STOPPING,
+    Catalogue,
     OperationRow,
     ResourceRow,
     SessionRow,
-    WorkerStore,
 )
 from trainer.serving.config import ServeConfig
 from trainer.serving.engine_protocols import EngineResource, EngineSession, load_resource
 from trainer.serving.errors import bad_request, failed_precondition, not_found
 from trainer.serving.ids import SAFE_ID, check_resume_location, is_safe_id
 from trainer.serving.lifecycle import Loader, ResourceManager, at_capacity, error_body
-from trainer.serving.payloads import PayloadStore, offload_result
+from trainer.serving.payloads import PayloadFiles, offload_result
 from trainer.serving.queues import Job, OperationLog, SessionQueue, op_error
 from trainer.serving.requests import CreateSessionBody, check_lora, merge_metadata
 
@@ -99,10 +99,10 @@ class Worker:
         # each model's own context length (or a smaller configured one) is its max_seq_length
         config.models = [resolve_context_limit(m) for m in config.models]
         self.config = config
-        self.store = WorkerStore(config.storage / "worker.sqlite")
+        self.store = Catalogue(config.storage / "worker.sqlite")
         self.store.recover(time.time())
         self.checkpoints = CheckpointStore(config.storage)
-        self.payloads = PayloadStore(config.storage / "payloads", config.max_payload_bytes)
+        self.payloads = PayloadFiles(config.storage / "payloads", config.max_payload_bytes)
         self.resources = ResourceManager(
             self.store,
             self.checkpoints,

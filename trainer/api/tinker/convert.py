@@ -1,36 +1,6 @@
 """Tinker requests and results to and from the engine's operation bodies and results.
 
-A Tinker model is a training session, so each Tinker call becomes one of our operations: these
-functions only translate shapes and names. The checks of a request's content are the engine's
-(the rules of `trainer.contract.rules`, the params classes of the loss registry, the specs of
-`trainer.contract`), run under Tinker's field names; a refusal, or anything these cannot map,
-is a `TinkerInputError` (its `field` is the Tinker field, e.g.
-`forward_backward_input.data[3].loss_fn_inputs.advantages`). Only Tinker's own facts are stated
-here: which of our losses each Tinker loss is, with its knobs and defaults (`_TINKER_LOSSES`).
-
-Losses (Tinker `loss_fn` -> ours; every Tinker loss is a plain sum over all positions with no
-mask, so RL datums go out without `mask`/`weights`: the engine sees all ones):
-- `cross_entropy` -> CROSS_ENTROPY, `weights` as sent (fractional or negative: the SDK's custom
-  loss sends -dC/dlogprob); no `weights`: all ones.
-- `importance_sampling` -> IMPORTANCE_SAMPLING.
-- `ppo` -> PPO, `cispo` -> CISPO: `clip_low_threshold` / `clip_high_threshold`, Tinker's
-  defaults 0.8 / 1.2 (its ε = 0.2) always sent (CISPO's own defaults are 0.0 / 5.0).
-- `dro` -> DRO, `beta` required.
-- `gspo` -> GRPO with ratio SEQUENCE, FIXED_HORIZON, β 0, clip defaults 0.8 / 1.2 (see below).
-- `stable_reinforce`, `custom`: refused (server-side state or loss ids the SDK does not specify).
-
-gspo: Tinker's loss is `-Σ_t min(s_t·A_t, clip(s_t, lo, hi)·A_t)` over every position, with
-`s_t` the sequence ratio (mean log-ratio over `sequence_ratio_mask`) carrying each token's own
-gradient: docs/semantics.md §2's SEQUENCE ratio with mask = `sequence_ratio_mask` (absent: all
-ones).
-Rule 2 sums masked tokens only and divides by the aggregation's denominator; FIXED_HORIZON's is
-`num_samples · H` (H the longest datum) and the summand is positively homogeneous in A_t, so
-sending `A_t · num_samples · H` gives Tinker's sum exactly (up to fp32 rounding of the product).
-Positions outside `sequence_ratio_mask` are left out, which equals Tinker's sum only when their
-advantage is 0 (the cookbook's case): a non-zero advantage there is refused.
-
-Per-datum outputs: every forward-backward asks for `loss_fn_outputs` with `logprobs_unmasked`,
-so `logprobs` hold lp_t at every position, as Tinker returns them.
+Design notes: `docs/design/tinker.md`.
 """
 
 from __future__ import annotations

@@ -4,18 +4,7 @@ batcher (`sample_batch`) and rank 0's combiner under torchrun (`trainer/distribu
 ask. Where calls are combined is the caller's: in one process the resource's pass scheduler,
 under torchrun rank 0's combiner (every rank then runs the same passes).
 
-A call may share when sharing is on for its kind (`[engine] merge` for passes, `batch_samples`
-for samples), its session's adapter can run next to others in one forward
-(`Policy.segmentable`: LoRA on modules, not full weights nor LoRA on an MoE block's fused
-experts, which `trainer.compute.multilora.segmented` does not handle), and another session of
-the resource is live (else there is nobody to wait for). Besides:
-- a pass: the model's own config has no dropout; a session with LoRA dropout only where a
-  shared pass draws its masks exactly as its solo call does (one process, the CPU, a varlen
-  attention: `train_pass`); and, once its samples are prepared, they need one micro-batch within
-  `merge_max_tokens`, keep at least one token and carry no recorded MoE routes (routing replay
-  runs in a pass of its own);
-- a generation batch: one process with the whole model (`Plain`), and no caller on this thread
-  holding the compute lock (another combiner could not take it).
+Design notes: `docs/design/batching.md`.
 """
 
 from __future__ import annotations
@@ -60,7 +49,7 @@ def _pass_allows(session: SharingSession, prepared: Sequence[PreparedSample] | N
         return False
     if prepared is None:
         return True
-    if any(s.routes is not None for s in prepared):
+    if any(s.routed_experts is not None for s in prepared):
         return False
     options = session.options
     if sum(s.length for s in prepared) > min(options.token_budget, options.merge_max_tokens):

@@ -1,24 +1,7 @@
 """How a pass (`train_pass.run_pass`) runs the model: `PlainForward` for one call,
 `JointForward` for the calls of several LoRA sessions.
 
-`PlainForward`: the call's share on this rank packed into micro-batches (`pack`), one round
-each, through the placement by `batch_logprobs` (packed varlen attention where the model's
-attention takes it), under the MoE routing replay of its keyed samples. The session's
-operation scope holds around the pass (its RNG stream as the global one, kept only when the call
-completes) and its adapter is the active one, in train or eval mode. Full weights, LoRA on MoE
-experts and replayed routes run this way, as does any call that shares no pass.
-
-`JointForward`: one round, one micro-batch holding every call's rows, call after call
-(`joint_batch`); the decoder runs once over them, each call's positions with its own session's
-adapter (`trainer.compute.multilora.segmented`), then the output head runs per call with that
-call's adapter. Each session's RNG stream: a session with LoRA dropout draws its masks from its
-own CPU RNG state (`segmented(generators=...)` in the decoder, the global RNG set to it around
-its head), in the order a solo call draws them, and keeps the state it ends in only when its
-call completes. On CPU with a varlen attention (one packed row per call) these are the solo masks
-bit for bit, which is where `eligibility.py` lets a session with dropout share a pass. Under
-torchrun every call of the pass takes part on every rank (a rank holding none of its samples
-runs one masked token with its adapter), and a zero `link` over every call's positions joins
-the backward, so that every rank's backward reaches the same FSDP units.
+Design notes: `docs/design/batching.md`.
 """
 
 from __future__ import annotations

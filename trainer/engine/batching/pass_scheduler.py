@@ -1,23 +1,7 @@
 """The per-resource scheduler of forward(-backward) calls: each runs as a pass
 (`train_pass.run_pass`), shared with other LoRA sessions' calls where it may.
 
-Flat combining. Each session's operations already run one at a time on that session's own
-queue thread (`trainer/serving/queues.py`), so a session has at most one call here at a time and
-its FIFO order holds by construction. A session thread with a forward, forward-backward or
-custom forward-backward call has validated and prepared its samples in its own thread; it hands
-the `WorkItem` to its resource's scheduler and blocks until the item's result or error is back.
-A call that may share a pass (`eligible`) goes to the combiner: the first waiting thread waits
-`merge_window_ms` for other sessions' calls, takes the resource lock, takes the pending items
-(FIFO, up to `merge_max_tokens`, one per session) and runs them: the forward-only ones as one
-pass and the forward-backward ones as another. Any other call runs at once as a pass of its own.
-Operations that change a session's weights (optim-step, weights-sync, sample, checkpoints) never
-come here: they run on their session's thread under the lock, so they are barriers for that
-session only.
-
-Which calls may share a pass is `eligibility.can_share`; this scheduler combines them only in
-one process with the whole model (`Plain`): under torchrun rank 0's
-`trainer/distributed/batching.py` groups calls before they become commands, and every rank runs
-the same `run_pass`.
+Design notes: `docs/design/batching.md`.
 """
 
 from __future__ import annotations

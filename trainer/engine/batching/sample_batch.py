@@ -1,36 +1,6 @@
 """Concurrent samples of several LoRA sessions of one resource, generated as one batch.
 
-Flat combining, as `trainer/engine/batching/pass_scheduler.py` does for forward-backward. A
-session thread with a validated sample call hands a `SampleJob` to its resource's
-`SampleBatcher` and blocks until the job is done. The first waiting thread becomes the
-combiner: it waits `[engine] merge_window_ms` for other sessions' samples, then takes the
-pending jobs (one per session, up to the model's `max_batch_size` rows in all) and runs them:
-one job alone by the solo path (`trainer.engine.generator.sample_alone`), several under the
-resource lock as one generation of the decode loop (`trainer/compute/sampler.py`), a
-`DecodeJob` per sample. Once it has taken its jobs it stops collecting, so jobs that arrive
-during a long generation form the next batch (the two generations take turns on the lock,
-`trainer/compute/turns.py`).
-
-One batch: every job's rows, left-padded to one width, one KV cache; each job's rows compute
-with its own session's published adapter (the job's `adapter`, applied by the decode loop
-through `trainer.compute.multilora.segmented`), taken off the model while the batch yields its
-turn every `decode_steps_per_turn` decode steps. Meanwhile nothing the KV cache was computed
-from can change: each job's session is blocked in this batch, so its own operations (the only
-ones that change its published adapter) wait in its queue. Each job keeps its own sampling
-params, stop rules and token generator, seeded as its solo sample seeds it (the given seed, or
-one drawn from the session's own RNG stream), and draws for its own rows only, as its solo
-sample does. Numbers: tokens, stop reasons and prompt logprobs are those of the solo sample;
-the sampled logprobs may differ from it in the last bits (measured up to 1e-6 on CPU in fp32)
-when the batch pads a job's rows and the solo call did not (another attention kernel path),
-which could in principle change a token drawn right at a probability boundary.
-
-Per session, as `operation_scope` would: a pending publish is applied (and swapped back if the
-batch fails), the session's RNG state moves on only when the batch succeeds; a failure of the
-batch fails every job in it and leaves each session as it was. A stopped session's job fails
-alone.
-
-Used where `[engine] batch_samples` is on, for LoRA resources in one process (`Plain`
-placement) with at least two live sessions; everything else samples alone.
+Design notes: `docs/design/batching.md`.
 """
 
 from __future__ import annotations

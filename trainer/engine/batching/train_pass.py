@@ -1,30 +1,7 @@
 """The forward(-backward) pass: one function, `run_pass`, for the calls of 1..N sessions of a
 resource. A solo call is a pass of one call.
 
-Each call (a `WorkItem`) keeps its own samples, loss, call-level norm (`docs/semantics.md`)
-and result. How the model runs is the pass's `Forward` (`pass_forward.py`): one call goes through
-the model as it is, micro-batch after micro-batch, with its session's adapter active and its
-RNG stream as the global one (`PlainForward`); several calls share one micro-batch whose
-decoder runs once, each call's positions with its own session's adapter
-(`trainer.compute.multilora.segmented`), and the head per call with that call's adapter
-(`JointForward`). Everything else is this module's, whatever the number of calls: each call's
-loss on its own logprobs (`loss_of`), one backward per round over the sum of the finite losses,
-every rank's report of every call exchanged in one collective, each call's new gradients
-summed over ranks and checked apart, and each call's result.
-
-Atomic per call: a call whose loss is not finite (or whose loss refuses its input) is left out
-of the backward and fails; after the backward each call's new gradients are checked apart, and
-a call with non-finite ones gets its accumulated gradients back and fails. The others complete.
-A failure of the pass itself fails every call in it and restores every call's gradients.
-
-Any world size (one engine path): each rank runs its share of each call's samples
-(`split_by_tokens`) through the placement (the FSDP root under torchrun), as many rounds as the
-busiest rank; a call's failure is global (the reports are exchanged before anything is kept),
-and its replicated LoRA gradients are summed over ranks before its finite check. In one process
-these are identities.
-
-Who groups the calls: `pass_scheduler.py` in one process, `trainer/distributed/batching.py`
-under torchrun; which calls may share a pass: `eligibility.py`.
+Design notes: `docs/design/batching.md`.
 """
 
 from __future__ import annotations
