@@ -53,8 +53,8 @@ def _serve_args(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 def serve_config(args: argparse.Namespace) -> Any:
     """The TOML file (if any) with the command-line flags laid over it, validated. A key of
     `[engine]`/`[distributed]` set by neither falls back to its legacy environment variable."""
-    from trainer.contract.options import fill_from_env, merge_tables, option_overrides
-    from trainer.serving.config import ServeConfig, load_toml, merge_models
+    from trainer.contract.options import fill_from_env, option_overrides, overlay_tables
+    from trainer.serving.config import ServeConfig, load_toml, overlay_models
 
     data: dict[str, Any] = load_toml(args.config) if args.config is not None else {}
     overrides = {
@@ -69,8 +69,8 @@ def serve_config(args: argparse.Namespace) -> Any:
         "public_url": args.public_url,
     }
     data.update({k: v for k, v in overrides.items() if v is not None})
-    data["model"] = merge_models(list(data.get("model", [])), args.model)
-    fill_from_env(merge_tables(data, option_overrides(args)))
+    data["model"] = overlay_models(list(data.get("model", [])), args.model)
+    fill_from_env(overlay_tables(data, option_overrides(args)))
     return ServeConfig.model_validate(data)
 
 

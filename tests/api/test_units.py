@@ -22,10 +22,10 @@ from trainer.serving.catalogue import (
     ResourceRow,
     SessionRow,
 )
-from trainer.serving.config import ServeConfig, is_loopback, merge_models
+from trainer.serving.config import ServeConfig, is_loopback, overlay_models
 from trainer.serving.errors import ApiError, field_path
 from trainer.serving.payloads import PayloadFiles, offload_result
-from trainer.serving.requests import merge_metadata
+from trainer.serving.requests import overlay_metadata
 
 
 def test_signer_binds_method_path_and_expiry() -> None:
@@ -94,7 +94,7 @@ def test_settings_from_toml_and_flags(tmp_path: Path) -> None:
         ("b", "org/b", 4096),
     ]
     with pytest.raises(ValueError, match="NAME=PATH"):
-        merge_models([], ["nameonly"])
+        overlay_models([], ["nameonly"])
     bad = tmp_path / "bad.toml"
     bad.write_text('storage = "/srv"\nprot = 1\n')
     with pytest.raises(ValueError, match="prot"):
@@ -139,10 +139,10 @@ def test_large_results_go_out_by_payload(tmp_path: Path) -> None:
 
 def test_patch_metadata_semantics() -> None:
     current = {"wandb": {"project": "p", "run_id": "r"}}
-    assert merge_metadata(current, {"wandb": {"project": "", "group": "g"}}) == {
+    assert overlay_metadata(current, {"wandb": {"project": "", "group": "g"}}) == {
         "wandb": {"run_id": "r", "group": "g"}
     }
-    assert merge_metadata(current, {}) == current
+    assert overlay_metadata(current, {}) == current
 
 
 def test_token_and_signature_checks_are_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:

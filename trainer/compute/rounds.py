@@ -65,7 +65,7 @@ def collect_outputs(
         offset += n
 
 
-def merge_reports(reports: list[dict[str, Any]]) -> tuple[float, Sums, dict[int, list[float]]]:
+def sum_reports(reports: list[dict[str, Any]]) -> tuple[float, Sums, dict[int, list[float]]]:
     """Sum the ranks' losses and metric (numerator, denominator) pairs, in rank order, and
     collect their per-sample outputs."""
     sums = new_sums()

@@ -50,13 +50,15 @@ class EngineOptions(StrictSpec):
     )
     merge: bool = Field(
         default=True,
-        description="merge concurrent LoRA sessions' forward(-backward) calls into one pass",
+        description="run concurrent LoRA sessions' forward(-backward) calls as one shared pass",
     )
     merge_window_ms: float = Field(
-        default=MERGE_WINDOW_MS, ge=0, description="how long a pass waits for more calls to merge"
+        default=MERGE_WINDOW_MS,
+        ge=0,
+        description="how long a shared pass waits for more calls to join it",
     )
     merge_max_tokens: int = Field(
-        default=MERGE_MAX_TOKENS, ge=1, description="tokens per merged pass, at most"
+        default=MERGE_MAX_TOKENS, ge=1, description="tokens per shared pass, at most"
     )
     batch_samples: bool = Field(
         default=True,
@@ -165,7 +167,7 @@ def option_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     return tables
 
 
-def merge_tables(data: dict[str, Any], tables: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def overlay_tables(data: dict[str, Any], tables: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Command-line keys laid over the TOML's tables (a non-table TOML value is left for the
     validation to refuse)."""
     for section, values in tables.items():

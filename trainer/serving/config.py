@@ -113,7 +113,7 @@ def parse_model_flag(value: str) -> tuple[str, str]:
     return name.strip(), location.strip()
 
 
-def merge_models(base: list[dict[str, Any]], flags: list[str]) -> list[dict[str, Any]]:
+def overlay_models(base: list[dict[str, Any]], flags: list[str]) -> list[dict[str, Any]]:
     """Command-line models override the location of same-named config models, else append."""
     merged = [dict(m) for m in base]
     for flag in flags:

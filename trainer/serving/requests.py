@@ -205,7 +205,7 @@ def check_lora(lora: LoraConfig | None, entry: ModelEntry, lora_enabled: bool) -
         )
 
 
-def merge_metadata(current: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+def overlay_metadata(current: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
     """PATCH semantics per section (`wandb`): given fields replace, "" clears, omitted stay."""
     merged = dict(current)
     for key, value in patch.items():

@@ -46,7 +46,7 @@ from trainer.serving.ids import SAFE_ID, check_resume_location, is_safe_id
 from trainer.serving.lifecycle import Loader, ResourceManager, at_capacity, error_body
 from trainer.serving.payloads import PayloadFiles, offload_result
 from trainer.serving.queues import Job, OperationLog, SessionQueue, op_error
-from trainer.serving.requests import CreateSessionBody, check_lora, merge_metadata
+from trainer.serving.requests import CreateSessionBody, check_lora, overlay_metadata
 
 log = logging.getLogger(__name__)
 
@@ -341,7 +341,7 @@ class Worker:
         if display_name is not None:
             changes["display_name"] = display_name or None
         if metadata is not None:
-            changes["metadata"] = merge_metadata(row.metadata, metadata)
+            changes["metadata"] = overlay_metadata(row.metadata, metadata)
         if changes:
             self.store.update(SessionRow, session_id, **changes)
         return self.session(session_id)

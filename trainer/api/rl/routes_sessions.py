@@ -103,7 +103,7 @@ async def update_session(request: Request, session_id: str) -> dict[str, Any]:
         body = UpdateSessionBody.model_validate(raw)
     except ValidationError as exc:  # unknown metadata keys included: the SDK has no others
         raise from_pydantic(exc) from None
-    # only what the client set: omitted fields stay, "" clears (merge_metadata)
+    # only what the client set: omitted fields stay, "" clears (overlay_metadata)
     metadata = body.metadata.model_dump(exclude_unset=True) if body.metadata else None
     row = worker.update_session(session_id, body.display_name, metadata)
     return await render(worker, row)

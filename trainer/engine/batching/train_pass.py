@@ -17,8 +17,8 @@ from trainer.compute.rounds import (
     add_metrics,
     call_result,
     collect_outputs,
-    merge_reports,
     split_by_tokens,
+    sum_reports,
 )
 from trainer.contract.errors import OperationError
 from trainer.engine.batching.pass_forward import Forward, JointForward, PlainForward
@@ -164,7 +164,7 @@ def _finish(live: list[WorkItem]) -> None:
         if item.failure is not None:
             item.fail(OperationError(*item.failure))
             continue
-        total, sums, outputs = merge_reports(item.reports)
+        total, sums, outputs = sum_reports(item.reports)
         item.result = call_result(total, sums, outputs if item.return_outputs else None, item.norm)
 
 
