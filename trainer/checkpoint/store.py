@@ -168,16 +168,8 @@ class CheckpointStore:
                 writer(partial)
                 paths = sorted(p for p in partial.rglob("*") if p.is_file())
                 digests = seal_files(paths)
-            record = CheckpointRecord(
-                id=checkpoint_id,
-                type=type,
-                session_id=session_id,
-                step=step,
-                base_model=base_model,
-                lora_rank=lora_rank,
-                created_at=time.time(),
-                path=self.dir / checkpoint_id,
-            )
+            row = (checkpoint_id, type, session_id, step, base_model, lora_rank, time.time())
+            record = self._record(row)
             files = {
                 path.relative_to(partial).as_posix(): {
                     "sha256": digests[path],
@@ -356,7 +348,7 @@ class CheckpointStore:
         return [self._record(row) for row in rows]
 
     def _record(self, row: tuple[Any, ...]) -> CheckpointRecord:
-        checkpoint_id, type_, session_id, step, base_model, lora_rank, created_at, _ = row
+        checkpoint_id, type_, session_id, step, base_model, lora_rank, created_at = row[:7]
         return CheckpointRecord(
             id=checkpoint_id,
             type=type_,

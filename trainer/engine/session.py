@@ -6,6 +6,7 @@ Design notes: `docs/design/engine.md`.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -182,32 +183,23 @@ class TrainingSession:
 
         `logprobs_unmasked` (the Tinker face): `loss_fn_outputs` hold lp_t at every position,
         masked ones included (docs/semantics.md §4 zeroes them otherwise); loss, gradients and
-        metrics
-        are unchanged."""
-        return self._run(
-            self.forward_backward_item(
-                loss,
-                samples,
-                forward_only=forward_only,
-                return_loss_fn_outputs=return_loss_fn_outputs,
-                logprobs_unmasked=logprobs_unmasked,
-            )
-        )
+        metrics are unchanged."""
+        options = (forward_only, return_loss_fn_outputs, logprobs_unmasked)
+        return self._run(self._forward_backward_item(loss, samples, *options))
 
     def custom_forward_backward(
         self, samples: list[Sample], gradients: list[Gradient]
     ) -> dict[str, Any]:
         """Backpropagate Σ_t m_t · g_t · lp_t with the client's per-token gradients g."""
-        return self._run(self.custom_forward_backward_item(samples, gradients))
+        return self._run(self._custom_forward_backward_item(samples, gradients))
 
-    def forward_backward_item(
+    def _forward_backward_item(
         self,
         loss: LossConfig,
         samples: list[Sample],
-        *,
-        forward_only: bool = False,
-        return_loss_fn_outputs: bool = False,
-        logprobs_unmasked: bool = False,
+        forward_only: bool,
+        return_loss_fn_outputs: bool,
+        logprobs_unmasked: bool,
     ) -> WorkItem:
         """`forward_backward`'s call, validated and prepared, not run yet."""
         spec, params = loss.spec, loss.params()
@@ -228,7 +220,7 @@ class TrainingSession:
 
         return WorkItem.of(self, prepared, fn, forward_only, return_loss_fn_outputs, after)
 
-    def custom_forward_backward_item(
+    def _custom_forward_backward_item(
         self, samples: list[Sample], gradients: list[Gradient]
     ) -> WorkItem:
         """`custom_forward_backward`'s call, validated and prepared, not run yet."""
@@ -245,11 +237,13 @@ class TrainingSession:
         """The call of pass operation `op` (one of `PASS_OPERATIONS`) with these keyword
         arguments, validated and prepared, not run yet: under torchrun every rank builds the
         calls of one grouped command this way, then runs their passes."""
+        if op not in self.PASS_OPERATIONS:
+            raise ValueError(f"{op!r} is not a pass operation")
+        bound = inspect.signature(getattr(self, op)).bind(**kwargs)
+        bound.apply_defaults()  # the operation's own defaults, as a direct call would take
         if op == "forward_backward":
-            return self.forward_backward_item(**kwargs)
-        if op == "custom_forward_backward":
-            return self.custom_forward_backward_item(**kwargs)
-        raise ValueError(f"{op!r} is not a pass operation")
+            return self._forward_backward_item(**bound.arguments)
+        return self._custom_forward_backward_item(**bound.arguments)
 
     def _run(self, item: WorkItem) -> dict[str, Any]:
         """Through the resource's scheduler: in a pass shared with other sessions' calls where
