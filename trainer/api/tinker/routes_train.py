@@ -288,7 +288,8 @@ async def load_weights(request: Request) -> dict[str, Any]:
 
     def work(_: str) -> dict[str, Any]:
         old = bridge.db.get(TinkerModel, target)
-        resource_id = old.resource_id if old is not None else bridge.resource_for(base_model)
+        # the face's live resource (made again if the model's own was stopped or restarted)
+        resource_id = bridge.resource_for(base_model)
         session_id = bridge.open_session(resource_id, spec, "path")
         now = time.time()
         model = TinkerModel(
