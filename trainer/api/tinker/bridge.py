@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import sqlite3
 import threading
 import time
 import uuid
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from trainer.api.tinker.identity import RequestKey
 from trainer.api.tinker.records import (
     DONE,
     FAILED,
@@ -97,12 +99,13 @@ class TinkerBridge:
 
     # -- futures ---------------------------------------------------------------------------
 
-    def future(self, owner: str, kind: str, idem_key: str | None) -> tuple[TinkerFuture, bool]:
-        """A new pending future, or the one this idempotency key already made (False)."""
-        if idem_key:
-            existing = self.db.future_by_key(idem_key)
+    def future(self, owner: str, kind: str, key: RequestKey) -> tuple[TinkerFuture, bool]:
+        """A new pending future, or the one this request's identity already made (False); a
+        409 when another request made it (`RequestKey.same`)."""
+        if key.key:
+            existing = self.db.future_by_key(key.key)
             if existing is not None:
-                return existing, False
+                return key.same(existing), False
         now = time.time()
         row = TinkerFuture(
             id=f"req_{uuid.uuid4().hex}",
@@ -111,15 +114,16 @@ class TinkerBridge:
             status=PENDING,
             created_at=now,
             updated_at=now,
-            idem_key=idem_key or None,
+            idem_key=key.key,
+            body_hash=key.digest,
         )
         try:
             self.db.insert(row)
-        except Exception:  # a concurrent retry with the same key won the insert
-            existing = self.db.future_by_key(idem_key or "")
+        except sqlite3.IntegrityError:  # a concurrent retry with the same key won the insert
+            existing = self.db.future_by_key(key.key or "")
             if existing is None:
                 raise
-            return existing, False
+            return key.same(existing), False
         return row, True
 
     def finish(self, request_id: str, result: dict[str, Any]) -> None:
@@ -142,10 +146,10 @@ class TinkerBridge:
         self.waiters.notify(request_id)
 
     def start(
-        self, owner: str, kind: str, key: str | None, work: Callable[[str], dict[str, Any]]
+        self, owner: str, kind: str, key: RequestKey, work: Callable[[str], dict[str, Any]]
     ) -> str:
         """The request's future id: a new future whose `work(request_id)` runs on the owner's
-        dispatcher, or the future an earlier try with the same idempotency key made."""
+        dispatcher, or the future an earlier try of the same request made."""
         future, new = self.future(owner, kind, key)
         if new:
             self.dispatch(owner, future.id, lambda: work(future.id))

@@ -21,12 +21,12 @@ from fastapi.concurrency import run_in_threadpool
 from trainer.api.http import json_object
 from trainer.api.tinker import convert, paths
 from trainer.api.tinker.bridge import TinkerBridge, tinker_named
+from trainer.api.tinker.identity import request_key
 from trainer.api.tinker.records import TinkerSampler, TinkerSession
 from trainer.api.tinker.requests import CreateSamplingSession
 from trainer.api.tinker.routes import (
     bridge_of,
     future_json,
-    idem_key,
     input_error,
     parse,
     seq_id_of,
@@ -196,9 +196,9 @@ async def asample(request: Request) -> dict[str, Any]:
     except convert.TinkerInputError as exc:
         raise input_error(exc) from None
     call = await run_in_threadpool(_prepare_sample, bridge, sampler.base_model, body)
+    key = await run_in_threadpool(request_key, request, sampler.id, "Sample", seq_id_of(req), body)
     if sampler_id is None:
         bridge.db.insert(sampler, replace=True)
-    key = idem_key(request, sampler.id, seq_id_of(req), "sample")
     sessions = samplers_of(request)
 
     def work(request_id: str) -> dict[str, Any]:
