@@ -1,7 +1,13 @@
-"""Sampler sessions of the Tinker face under concurrent clients: 16 clients sampling from more
-checkpoints than stay open (eviction under load) all get their samples; `SamplerSessions`
-never hands out a session it is closing, nor fails with a `KeyError`, under 16 racing
-threads.
+"""Threads and engine sessions of the Tinker face come back.
+
+- Idle dispatchers end: 300 sampling sessions created and used (the SDK's RL pattern makes
+  one per step) leave the thread count near where it was; a later request starts its owner's
+  dispatcher again.
+- Heartbeat expiry reclaims everything of the silent session: its models' engine sessions,
+  the sampler sessions only it used, their threads.
+- 16 concurrent clients sampling from more checkpoints than stay open (eviction under load)
+  all get their samples; `SamplerSessions` never hands out a session it is closing, nor fails
+  with a `KeyError`, under 16 racing threads.
 """
 
 from __future__ import annotations
@@ -23,8 +29,8 @@ import pytest
 from tests.api.conftest import LiveServer, serve_in_thread
 from tests.tinker import tinker_http as th
 from trainer.api.tinker import sampling
-from trainer.api.tinker.records import TinkerSampler
-from trainer.serving.catalogue import SES_RUNNING
+from trainer.api.tinker.records import TinkerModel, TinkerSampler, TinkerSession
+from trainer.serving.catalogue import SES_RUNNING, SessionRow
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +52,82 @@ def prompt_body(**target: Any) -> dict[str, Any]:
         "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
         "sampling_params": {"max_tokens": 1, "seed": 0},
     }
+
+
+def settles(check: Callable[[], bool], timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def quiet_thread_count() -> int:
+    """The thread count once it has not changed for half a second (threads of earlier
+    requests have ended)."""
+    count = threading.active_count()
+    stable_since = time.monotonic()
+    while time.monotonic() - stable_since < 0.5:
+        time.sleep(0.05)
+        if threading.active_count() != count:
+            count, stable_since = threading.active_count(), time.monotonic()
+    return count
+
+
+def test_300_samplers_leave_no_threads(live: LiveServer, http: httpx.Client) -> None:
+    session = th.new_session(http)
+    th.ok(http, "/asample", prompt_body(base_model=th.BASE))  # warm: the sampler session opens
+    baseline = quiet_thread_count()
+
+    def use(seq: int) -> None:
+        with th.client(live) as client:
+            body = {"session_id": session, "sampling_session_seq_id": seq, "base_model": th.BASE}
+            response = client.post("/create_sampling_session", json=body)
+            assert response.status_code == 200, response.text
+            body = prompt_body(sampling_session_id=response.json()["sampling_session_id"])
+            assert "sequences" in th.ok(client, "/asample", body)
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(use, range(300)))
+    assert settles(lambda: threading.active_count() <= baseline + 2), (
+        threading.active_count(),
+        baseline,
+        sorted(t.name for t in threading.enumerate()),
+    )
+    assert live.app.state.tinker.dispatchers.active() == 0
+    # an owner whose dispatcher ended starts it again on its next request
+    first = f"{session}:sample:0"
+    assert "sequences" in th.ok(http, "/asample", prompt_body(sampling_session_id=first))
+
+
+def engine_running(live: LiveServer, session_id: str) -> bool:
+    row = live.worker.store.get(SessionRow, session_id)
+    return row is not None and row.status == SES_RUNNING
+
+
+def test_heartbeat_expiry_reclaims_models_samplers_and_threads(
+    live: LiveServer, http: httpx.Client
+) -> None:
+    bridge, samplers = live.app.state.tinker, live.app.state.tinker_samplers
+    model = th.new_model(http)
+    session = model.split(":")[0]
+    saved = {"model_id": model, "path": "for-sampling", "sampling_session_seq_id": 0}
+    sampler = th.ok(http, "/save_weights_for_sampler", saved)["sampling_session_id"]
+    assert "sequences" in th.ok(http, "/asample", prompt_body(sampling_session_id=sampler))
+    record = bridge.db.get(TinkerSampler, sampler)
+    engine_sampler = samplers.open[record.checkpoint_id]
+    engine_model = bridge.db.get(TinkerModel, model).session_id
+    assert engine_running(live, engine_sampler) and engine_running(live, engine_model)
+    baseline = threading.active_count()
+    bridge.db.update(TinkerSession, session, heartbeat_at=0.0)  # silent for ages
+    assert settles(lambda: not engine_running(live, engine_model))
+    assert settles(lambda: not engine_running(live, engine_sampler))
+    assert record.checkpoint_id not in samplers.open
+    assert engine_model not in live.worker.sessions and engine_sampler not in live.worker.sessions
+    assert settles(lambda: threading.active_count() <= baseline)
+    response = http.post("/session_heartbeat", json={"session_id": session})
+    assert response.status_code == 410, response.text
 
 
 def test_16_clients_sampling_under_eviction(live: LiveServer, http: httpx.Client) -> None:

@@ -2,11 +2,12 @@
 
 A Tinker model is a training session on a LoRA resource for its base model, created on demand
 from the catalogue (one shared resource per base model, reused by every Tinker model and
-sampler). Each model and each sampling session has a dispatcher: one thread that takes that
-owner's requests in arrival order (the SDK submits a model's requests one at a time, in
-`seq_id` order) and runs each to the end: the engine operation queued with `Worker.submit`,
-waited for, its result translated and stored on the request's future. `load_state` swaps the
-model onto a new session between two requests, so what follows it runs on the loaded weights.
+sampler, and made again when it was stopped or the worker restarted). Each model and each
+sampling session has a dispatcher (`trainer.api.tinker.dispatch`): the owner's requests run in
+arrival order (the SDK submits a model's requests one at a time, in `seq_id` order), each to
+the end: the engine operation queued with `Worker.submit`, waited for, its result translated
+and stored on the request's future. `load_state` swaps the model onto a new session between
+two requests, so what follows it runs on the loaded weights.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from trainer.api.tinker.dispatch import Dispatchers, Task
 from trainer.api.tinker.identity import RequestKey
 from trainer.api.tinker.records import (
     DONE,
@@ -51,6 +52,10 @@ USER_CODES = ("INVALID_INPUT", "NON_FINITE_LOSS")
 RESOURCE_IDLE_S = 86400  # Tinker resources live as long as the catalogue allows when idle
 SESSION_TIMEOUT_S = 600.0  # the SDK heartbeats every 10 s; silence this long ends a session
 FUTURE_TTL_S = 6 * 3600.0  # settled futures are kept this long for their clients to fetch
+NOT_RUN = (
+    "the worker shut down before this request ran; once it has restarted, load the model "
+    "again (load_state) and send the request again"
+)
 
 
 # The engine's body fields that a Tinker request names otherwise, per operation
@@ -91,11 +96,11 @@ class TinkerBridge:
         if failed:
             log.info("tinker: %d requests pending at the last stop failed cleanly", failed)
         self.waiters = Waiters()
-        self._dispatchers: dict[str, ThreadPoolExecutor] = {}
-        self._lock = threading.Lock()
+        self.dispatchers = Dispatchers()
+        self.on_sessions_ended: list[Callable[[list[str]], None]] = []
         self._resource_lock = threading.Lock()
-        self._closed = False
         self._resources: dict[str, str] = {}  # base model -> the resource this face made
+        self._closed = False
 
     # -- futures ---------------------------------------------------------------------------
 
@@ -170,23 +175,28 @@ class TinkerBridge:
                 category = "user" if exc.code in USER_CODES else "server"
                 self.fail(request_id, f"{exc.code}: {exc.message}", category)
             except Exception as exc:
-                if self._closed:  # the worker shut down under it: `recover` fails it
-                    return
-                log.exception("tinker request %s crashed", request_id)
-                self.fail(request_id, f"internal error: {type(exc).__name__}: {exc}", "server")
+                self._crashed(request_id, exc)
             else:
                 self.finish(request_id, result)
 
-        with self._lock:
-            pool = self._dispatchers.get(owner)
-            if pool is None:
-                pool = ThreadPoolExecutor(1, thread_name_prefix=f"tinker-{owner[-24:]}")
-                self._dispatchers[owner] = pool
-        pool.submit(run)
+        if not self.dispatchers.submit(owner, Task(request_id, run)):
+            self.fail(request_id, NOT_RUN, "server")
+
+    def _crashed(self, request_id: str, exc: Exception) -> None:
+        if self._closed:  # the worker shut down under it: `recover` fails it
+            return
+        log.exception("tinker request %s crashed", request_id)
+        self.fail(request_id, f"internal error: {type(exc).__name__}: {exc}", "server")
 
     def sweep(self, now: float) -> list[str]:
-        """End the Tinker sessions whose heartbeats stopped (their models' and samplers' engine
-        sessions close; their checkpoints stay), and forget long-settled futures."""
+        """End the Tinker sessions whose heartbeats stopped (their models' engine sessions and
+        the sampler sessions only they used close; their checkpoints stay), and forget
+        long-settled futures."""
+        ended = self._end_silent_sessions(now)
+        self.db.prune(now - FUTURE_TTL_S)
+        return ended
+
+    def _end_silent_sessions(self, now: float) -> list[str]:
         ended = self.db.select(
             TinkerSession, "ended_at IS NULL AND heartbeat_at < ?", (now - SESSION_TIMEOUT_S,)
         )
@@ -197,16 +207,15 @@ class TinkerBridge:
             self.db.update(TinkerSession, session.id, ended_at=now)
             for model in self.db.select(TinkerModel, "tinker_session = ?", (session.id,)):
                 self.stop_session(model.session_id)
-        self.db.prune(now - FUTURE_TTL_S)
-        return [s.id for s in ended]
+        ids = [s.id for s in ended]
+        if ids:
+            for hook in self.on_sessions_ended:
+                hook(ids)
+        return ids
 
     def close(self) -> None:
         self._closed = True
-        with self._lock:
-            pools = list(self._dispatchers.values())
-            self._dispatchers.clear()
-        for pool in pools:
-            pool.shutdown(wait=False, cancel_futures=True)
+        self.dispatchers.stop()  # the queued requests never run: the next start fails them
         self.db.close()
 
     # -- the catalogue, resources and sessions --------------------------------------------

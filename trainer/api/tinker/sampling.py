@@ -51,6 +51,7 @@ class SamplerSessions:
         self.open: OrderedDict[str, str] = OrderedDict()  # key -> engine session id
         self.in_use: dict[str, int] = {}  # key -> samples using (or opening) it; absent: 0
         self.opening: dict[str, threading.Lock] = {}  # key -> held while its session opens
+        bridge.on_sessions_ended.append(self.sessions_ended)
 
     @staticmethod
     def key_of(sampler: TinkerSampler) -> str:
@@ -87,6 +88,25 @@ class SamplerSessions:
                 self.in_use.pop(key, None)
                 self.opening.pop(key, None)
         self._evict()
+
+    def sessions_ended(self, session_ids: list[str]) -> None:
+        """Close the idle engine sessions that only samplers of these ended Tinker sessions
+        used (a bridge hook, run by the heartbeat sweep)."""
+        db = self.bridge.db
+        marks = ", ".join("?" for _ in session_ids)
+        ended = db.select(TinkerSampler, f"tinker_session IN ({marks})", tuple(session_ids))
+        alive = db.select(
+            TinkerSampler, "tinker_session IN (SELECT id FROM sessions WHERE ended_at IS NULL)"
+        )
+        unused = {self.key_of(s) for s in ended} - {self.key_of(s) for s in alive}
+        with self.lock:
+            closing = [
+                self.open.pop(key)
+                for key in unused
+                if key in self.open and self.in_use.get(key, 0) == 0
+            ]
+        for session_id in closing:
+            self.bridge.stop_session(session_id)
 
     def _running(self, session_id: str) -> bool:
         row = self.bridge.worker.store.get(SessionRow, session_id)
