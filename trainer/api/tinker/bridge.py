@@ -8,6 +8,9 @@ arrival order (the SDK submits a model's requests one at a time, in `seq_id` ord
 the end: the engine operation queued with `Worker.submit`, waited for, its result translated
 and stored on the request's future. `load_state` swaps the model onto a new session between
 two requests, so what follows it runs on the loaded weights.
+
+At shutdown (`drain`) queued requests fail cleanly and running ones finish while the engine
+still serves them.
 """
 
 from __future__ import annotations
@@ -56,6 +59,10 @@ NOT_RUN = (
     "the worker shut down before this request ran; once it has restarted, load the model "
     "again (load_state) and send the request again"
 )
+SHUT_DOWN = (
+    "the worker shut down while this request ran; once it has restarted, load the model "
+    "again (load_state) and send the request again"
+)
 
 
 # The engine's body fields that a Tinker request names otherwise, per operation
@@ -100,6 +107,7 @@ class TinkerBridge:
         self.on_sessions_ended: list[Callable[[list[str]], None]] = []
         self._resource_lock = threading.Lock()
         self._resources: dict[str, str] = {}  # base model -> the resource this face made
+        self._write_lock = threading.Lock()  # a future's write and `close`
         self._closed = False
 
     # -- futures ---------------------------------------------------------------------------
@@ -132,22 +140,19 @@ class TinkerBridge:
         return row, True
 
     def finish(self, request_id: str, result: dict[str, Any]) -> None:
-        if self._closed:  # shut down under it: the next start fails it (`recover`)
-            return
-        self.db.update(TinkerFuture, request_id, status=DONE, result=result, updated_at=time.time())
-        self.waiters.notify(request_id)
+        self._settle(request_id, status=DONE, result=result)
 
     def fail(self, request_id: str, message: str, category: str) -> None:
-        if self._closed:
-            return
-        self.db.update(
-            TinkerFuture,
-            request_id,
-            status=FAILED,
-            error=message,
-            category=category,
-            updated_at=time.time(),
-        )
+        self._settle(request_id, status=FAILED, error=message, category=category)
+
+    def _settle(self, request_id: str, **changes: Any) -> None:
+        """Write a future's outcome and wake its pollers. After `close` nothing is written:
+        the next start fails it."""
+        changes["updated_at"] = time.time()
+        with self._write_lock:
+            if self._closed:
+                return
+            self.db.update(TinkerFuture, request_id, **changes)
         self.waiters.notify(request_id)
 
     def start(
@@ -183,10 +188,12 @@ class TinkerBridge:
             self.fail(request_id, NOT_RUN, "server")
 
     def _crashed(self, request_id: str, exc: Exception) -> None:
-        if self._closed:  # the worker shut down under it: `recover` fails it
-            return
-        log.exception("tinker request %s crashed", request_id)
-        self.fail(request_id, f"internal error: {type(exc).__name__}: {exc}", "server")
+        if self.dispatchers.stopped:  # the worker shut down under it (its stores may be closed)
+            log.info("tinker request %s: the worker shut down while it ran", request_id)
+            self.fail(request_id, SHUT_DOWN, "server")
+        else:
+            log.exception("tinker request %s crashed", request_id)
+            self.fail(request_id, f"internal error: {type(exc).__name__}: {exc}", "server")
 
     def sweep(self, now: float) -> list[str]:
         """End the Tinker sessions whose heartbeats stopped (their models' engine sessions and
@@ -213,10 +220,23 @@ class TinkerBridge:
                 hook(ids)
         return ids
 
+    def drain(self, grace_s: float) -> bool:
+        """The first step of shutdown, while the engine still runs: no new request is taken,
+        the queued ones fail cleanly, the running ones get `grace_s` seconds to finish. True
+        if none is left running."""
+        self._stop_dispatchers()
+        return self.dispatchers.join(grace_s)
+
+    def _stop_dispatchers(self) -> None:
+        for request_id in self.dispatchers.stop():
+            self.fail(request_id, NOT_RUN, "server")
+
     def close(self) -> None:
-        self._closed = True
-        self.dispatchers.stop()  # the queued requests never run: the next start fails them
-        self.db.close()
+        """The last step of shutdown: the store closed, once no future is being written."""
+        self._stop_dispatchers()
+        with self._write_lock:
+            self._closed = True
+            self.db.close()
 
     # -- the catalogue, resources and sessions --------------------------------------------
 
