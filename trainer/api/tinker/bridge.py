@@ -9,8 +9,10 @@ the end: the engine operation queued with `Worker.submit`, waited for, its resul
 and stored on the request's future. `load_state` swaps the model onto a new session between
 two requests, so what follows it runs on the loaded weights.
 
-At shutdown (`drain`) queued requests fail cleanly and running ones finish while the engine
-still serves them.
+A future's outcome that `tinker.sqlite` cannot take (its disk is full) is held in memory and
+served from there, so a client polling it still sees it settle; it is written once space is
+freed (`flush`, run by the periodic sweep and at shutdown). At shutdown (`drain`) queued
+requests fail cleanly and running ones finish while the engine still serves them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from trainer.api.tinker.dispatch import Dispatchers, Task
@@ -44,7 +47,7 @@ from trainer.serving.catalogue import (
     RES_READY,
     SES_RUNNING,
 )
-from trainer.serving.errors import ApiError, bad_request
+from trainer.serving.errors import ApiError, bad_request, is_disk_full
 from trainer.serving.operations import OPERATIONS, prepare_call
 from trainer.serving.requests import CreateSessionBody
 from trainer.serving.worker import EngineCall, Worker
@@ -63,6 +66,7 @@ SHUT_DOWN = (
     "the worker shut down while this request ran; once it has restarted, load the model "
     "again (load_state) and send the request again"
 )
+DISK_FULL = "the worker's disk is full; send the request again once space is freed"
 
 
 # The engine's body fields that a Tinker request names otherwise, per operation
@@ -107,7 +111,8 @@ class TinkerBridge:
         self.on_sessions_ended: list[Callable[[list[str]], None]] = []
         self._resource_lock = threading.Lock()
         self._resources: dict[str, str] = {}  # base model -> the resource this face made
-        self._write_lock = threading.Lock()  # a future's write and `close`
+        self._write_lock = threading.Lock()  # a future's write, `flush` and `close`
+        self._held: dict[str, dict[str, Any]] = {}  # request id -> outcome not yet written
         self._closed = False
 
     # -- futures ---------------------------------------------------------------------------
@@ -139,6 +144,14 @@ class TinkerBridge:
             return key.same(existing), False
         return row, True
 
+    def lookup(self, request_id: str) -> TinkerFuture | None:
+        """The future as its client sees it: the stored row with an outcome the disk could
+        not take yet applied."""
+        row = self.db.get(TinkerFuture, request_id)
+        with self._write_lock:
+            held = self._held.get(request_id)
+        return replace(row, **held) if row is not None and held else row
+
     def finish(self, request_id: str, result: dict[str, Any]) -> None:
         self._settle(request_id, status=DONE, result=result)
 
@@ -146,14 +159,37 @@ class TinkerBridge:
         self._settle(request_id, status=FAILED, error=message, category=category)
 
     def _settle(self, request_id: str, **changes: Any) -> None:
-        """Write a future's outcome and wake its pollers. After `close` nothing is written:
-        the next start fails it."""
+        """Write a future's outcome and wake its pollers; on a full disk hold it in memory
+        until `flush`. After `close` nothing is written: the next start fails it."""
         changes["updated_at"] = time.time()
         with self._write_lock:
             if self._closed:
                 return
-            self.db.update(TinkerFuture, request_id, **changes)
+            try:
+                self.db.update(TinkerFuture, request_id, **changes)
+            except Exception as exc:
+                if not is_disk_full(exc):
+                    raise
+                log.error("tinker request %s: tinker.sqlite is full; held in memory", request_id)
+                self._held[request_id] = changes
+            else:
+                self._held.pop(request_id, None)
         self.waiters.notify(request_id)
+
+    def flush(self) -> int:
+        """Write the outcomes a full disk refused; how many are still held."""
+        with self._write_lock:
+            if self._closed:
+                return len(self._held)
+            for request_id, changes in list(self._held.items()):
+                try:
+                    self.db.update(TinkerFuture, request_id, **changes)
+                except Exception as exc:  # still full (or another storage error): keep it
+                    if not is_disk_full(exc):
+                        log.exception("tinker request %s: writing its outcome failed", request_id)
+                    continue
+                del self._held[request_id]
+            return len(self._held)
 
     def start(
         self, owner: str, kind: str, key: RequestKey, work: Callable[[str], dict[str, Any]]
@@ -191,16 +227,26 @@ class TinkerBridge:
         if self.dispatchers.stopped:  # the worker shut down under it (its stores may be closed)
             log.info("tinker request %s: the worker shut down while it ran", request_id)
             self.fail(request_id, SHUT_DOWN, "server")
+        elif is_disk_full(exc):
+            log.error("tinker request %s: the disk is full: %s", request_id, exc)
+            self.fail(request_id, DISK_FULL, "server")
         else:
             log.exception("tinker request %s crashed", request_id)
             self.fail(request_id, f"internal error: {type(exc).__name__}: {exc}", "server")
 
     def sweep(self, now: float) -> list[str]:
-        """End the Tinker sessions whose heartbeats stopped (their models' engine sessions and
-        the sampler sessions only they used close; their checkpoints stay), and forget
-        long-settled futures."""
-        ended = self._end_silent_sessions(now)
-        self.db.prune(now - FUTURE_TTL_S)
+        """Write held outcomes; end the Tinker sessions whose heartbeats stopped (their models'
+        engine sessions and the sampler sessions only they used close; their checkpoints
+        stay), and forget long-settled futures."""
+        self.flush()
+        try:
+            ended = self._end_silent_sessions(now)
+            self.db.prune(now - FUTURE_TTL_S)
+        except Exception as exc:  # a full disk: the next sweep tries again
+            if not is_disk_full(exc):
+                raise
+            log.error("tinker sweep: tinker.sqlite is full; retried at the next sweep")
+            return []
         return ended
 
     def _end_silent_sessions(self, now: float) -> list[str]:
@@ -232,8 +278,9 @@ class TinkerBridge:
             self.fail(request_id, NOT_RUN, "server")
 
     def close(self) -> None:
-        """The last step of shutdown: the store closed, once no future is being written."""
+        """The last step of shutdown: held outcomes written if they fit, the store closed."""
         self._stop_dispatchers()
+        self.flush()
         with self._write_lock:
             self._closed = True
             self.db.close()
@@ -307,7 +354,7 @@ class TinkerBridge:
         """Queue `call` on the model's session now and wait for its output."""
         session_id = model if isinstance(model, str) else self.current_session(model.id)
         if not isinstance(model, str):
-            self.db.update(TinkerModel, model.id, last_request_at=time.time())
+            self._touch(model.id)
         row = self.worker.submit(session_id, kind, f"tinker:{key}", key, call)
         done = self.worker.oplog.futures.get(row.id)
         if done is not None:
@@ -324,6 +371,14 @@ class TinkerBridge:
         if payload_id is not None:
             output.update(self.worker.payloads.read_json(session_id, payload_id))
         return output
+
+    def _touch(self, model_id: str) -> None:
+        """Record the model's last request (skipped when the disk is full: the request runs)."""
+        try:
+            self.db.update(TinkerModel, model_id, last_request_at=time.time())
+        except Exception as exc:
+            if not is_disk_full(exc):
+                raise
 
     def current_session(self, model_id: str) -> str:
         model = self.db.get(TinkerModel, model_id)

@@ -23,7 +23,7 @@ from trainer.api.http import json_object
 from trainer.api.tinker import convert, paths, proto
 from trainer.api.tinker.bridge import TinkerBridge
 from trainer.api.tinker.identity import RequestKey, body_digest
-from trainer.api.tinker.records import DONE, FAILED, TinkerFuture, TinkerModel, TinkerSession
+from trainer.api.tinker.records import DONE, FAILED, TinkerModel, TinkerSession
 from trainer.api.tinker.requests import (
     CreateModel,
     CreateSession,
@@ -302,16 +302,16 @@ async def retrieve_future(request: Request) -> Response:
     body: RetrieveFuture = await parse(request, RetrieveFuture)
     bridge = bridge_of(request)
     request_id = body.request_id
-    row = bridge.db.get(TinkerFuture, request_id)
+    row = bridge.lookup(request_id)
     if row is None:
         raise not_found("request", request_id, "request_id")
 
     def settled() -> bool:
-        current = bridge.db.get(TinkerFuture, request_id)
+        current = bridge.lookup(request_id)
         return current is not None and current.status in (DONE, FAILED)
 
     await bridge.waiters.wait(request_id, LONG_POLL_S, settled)
-    row = bridge.db.get(TinkerFuture, request_id)
+    row = bridge.lookup(request_id)
     assert row is not None
     if row.status == FAILED:
         return JSONResponse({"error": row.error or "failed", "category": row.category or "server"})
