@@ -120,6 +120,21 @@ async def _sweep_forever(worker: Worker, tinker: TinkerBridge) -> None:
         await run_in_threadpool(tinker.sweep, time.time())
 
 
+def _drain(worker: Worker, tinker: TinkerBridge) -> None:
+    """Shut down within `shutdown_grace_s`: the Tinker face first, while the engine still
+    serves its running requests (its queued ones fail cleanly), then the worker's operations,
+    then the Tinker records, once no dispatcher writes them."""
+    grace = worker.config.shutdown_grace_s
+    started = time.monotonic()
+    log.info("shutting down: draining operations (grace %.0fs)", grace)
+    try:
+        if not tinker.drain(grace):
+            log.warning("shutting down: Tinker requests still run after the grace")
+        worker.shutdown(max(0.0, grace - (time.monotonic() - started)))
+    finally:
+        tinker.close()
+
+
 def create_app(worker: Worker, token: str | None) -> FastAPI:
     """`token=None` serves without auth (the CLI allows it on loopback hosts only)."""
 
@@ -130,10 +145,7 @@ def create_app(worker: Worker, token: str | None) -> FastAPI:
             yield
         finally:
             sweeper.cancel()
-            grace = worker.config.shutdown_grace_s
-            log.info("shutting down: draining operations (grace %.0fs)", grace)
-            await run_in_threadpool(worker.shutdown, grace)
-            tinker.close()
+            await run_in_threadpool(_drain, worker, tinker)
 
     # No open /openapi.json or /docs: the schema is served at /v1/openapi.json behind the token.
     app = FastAPI(

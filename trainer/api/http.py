@@ -14,6 +14,7 @@ from trainer.serving.worker import Worker
 
 # a checkpoint file behind a signed URL (served by the RL face, linked from both faces)
 FILE_PATH = "/v1/rl/files/checkpoints/{checkpoint_id}/{variant}/{filename}"
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 
 
 def worker_of(request: Request) -> Worker:
@@ -22,9 +23,20 @@ def worker_of(request: Request) -> Worker:
 
 
 def base_url(request: Request) -> str:
-    """Where signed URLs point: `public_url` if configured, else the URL the client used."""
-    public: str | None = worker_of(request).config.public_url
-    return public.rstrip("/") if public else str(request.base_url).rstrip("/")
+    """Where signed URLs point: `public_url` if configured, else the address the worker is
+    bound to (`http://<host>:<port>` of `trainer serve`), never the request's `Host` header,
+    which any client can forge. A wildcard host (`0.0.0.0`, `::`) or port 0 takes the local
+    address of the connection's socket instead."""
+    config = worker_of(request).config
+    if config.public_url:
+        return config.public_url.rstrip("/")
+    host, port = config.host, config.port
+    local = request.scope.get("server") or (host, port)
+    if host in WILDCARD_HOSTS:
+        host = str(local[0])
+    if port == 0 and local[1] is not None:
+        port = int(local[1])
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def verify_signed(request: Request, method: str) -> None:

@@ -1,12 +1,14 @@
 """Run the worker: resolve the token, build the app, preload, serve until SIGTERM/SIGINT.
 
 uvicorn turns SIGTERM into a graceful shutdown: it stops accepting connections, finishes the
-requests in flight, then runs the app's lifespan exit, where the worker refuses new operations,
-fails queued ones, gives the running ones `shutdown_grace_s` and flushes its catalogue. The
-process then exits 0. An operation that outlived the grace is recorded FAILED while its thread
-is still inside torch: the process then leaves with `os._exit(0)` (logs and stdio flushed)
-instead of tearing the interpreter down under that thread, which aborts (SIGABRT, "terminate
-called without an active exception") or segfaults.
+requests in flight, then runs the app's lifespan exit (`trainer.api.app`), where the Tinker face
+fails its queued requests and lets its running ones finish, then the worker refuses new
+operations, fails queued ones, gives the running ones what is left of `shutdown_grace_s` and
+flushes its catalogue, and the Tinker records close last. The process then exits 0. An
+operation that outlived the grace is recorded FAILED while its thread is still inside torch:
+the process then leaves with `os._exit(0)` (logs and stdio flushed) instead of tearing the
+interpreter down under that thread, which aborts (SIGABRT, "terminate called without an
+active exception") or segfaults.
 """
 
 from __future__ import annotations

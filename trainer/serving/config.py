@@ -31,7 +31,8 @@ class ServeConfig(StrictSpec):
     session_file: Path | None = Field(default=None, description="JSON session to preload")
     device: str | None = Field(default=None, description="torch device; default cuda if present")
     public_url: str | None = Field(
-        default=None, description="base of signed URLs; default: the URL the client used"
+        default=None,
+        description="base of signed URLs; default: the bound address, http://<host>:<port>",
     )
     signed_url_ttl_s: float = Field(default=3600.0, gt=0, description="life of signed URLs")
     op_inline_wait_s: float = Field(

@@ -2,11 +2,17 @@
 
 A Tinker model is a training session on a LoRA resource for its base model, created on demand
 from the catalogue (one shared resource per base model, reused by every Tinker model and
-sampler). Each model and each sampling session has a dispatcher: one thread that takes that
-owner's requests in arrival order (the SDK submits a model's requests one at a time, in
-`seq_id` order) and runs each to the end: the engine operation queued with `Worker.submit`,
-waited for, its result translated and stored on the request's future. `load_state` swaps the
-model onto a new session between two requests, so what follows it runs on the loaded weights.
+sampler, and made again when it was stopped or the worker restarted). Each model and each
+sampling session has a dispatcher (`trainer.api.tinker.dispatch`): the owner's requests run in
+arrival order (the SDK submits a model's requests one at a time, in `seq_id` order), each to
+the end: the engine operation queued with `Worker.submit`, waited for, its result translated
+and stored on the request's future. `load_state` swaps the model onto a new session between
+two requests, so what follows it runs on the loaded weights.
+
+A future's outcome that `tinker.sqlite` cannot take (its disk is full) is held in memory and
+served from there, so a client polling it still sees it settle; it is written once space is
+freed (`flush`, run by the periodic sweep and at shutdown). At shutdown (`drain`) queued
+requests fail cleanly and running ones finish while the engine still serves them.
 """
 
 from __future__ import annotations
@@ -14,13 +20,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import sqlite3
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
+from trainer.api.tinker.dispatch import Dispatchers, Task
+from trainer.api.tinker.identity import RequestKey
 from trainer.api.tinker.records import (
     DONE,
     FAILED,
@@ -38,7 +47,7 @@ from trainer.serving.catalogue import (
     RES_READY,
     SES_RUNNING,
 )
-from trainer.serving.errors import ApiError, bad_request
+from trainer.serving.errors import ApiError, bad_request, is_disk_full
 from trainer.serving.operations import OPERATIONS, prepare_call
 from trainer.serving.requests import CreateSessionBody
 from trainer.serving.worker import EngineCall, Worker
@@ -49,6 +58,15 @@ USER_CODES = ("INVALID_INPUT", "NON_FINITE_LOSS")
 RESOURCE_IDLE_S = 86400  # Tinker resources live as long as the catalogue allows when idle
 SESSION_TIMEOUT_S = 600.0  # the SDK heartbeats every 10 s; silence this long ends a session
 FUTURE_TTL_S = 6 * 3600.0  # settled futures are kept this long for their clients to fetch
+NOT_RUN = (
+    "the worker shut down before this request ran; once it has restarted, load the model "
+    "again (load_state) and send the request again"
+)
+SHUT_DOWN = (
+    "the worker shut down while this request ran; once it has restarted, load the model "
+    "again (load_state) and send the request again"
+)
+DISK_FULL = "the worker's disk is full; send the request again once space is freed"
 
 
 # The engine's body fields that a Tinker request names otherwise, per operation
@@ -89,20 +107,23 @@ class TinkerBridge:
         if failed:
             log.info("tinker: %d requests pending at the last stop failed cleanly", failed)
         self.waiters = Waiters()
-        self._dispatchers: dict[str, ThreadPoolExecutor] = {}
-        self._lock = threading.Lock()
+        self.dispatchers = Dispatchers()
+        self.on_sessions_ended: list[Callable[[list[str]], None]] = []
         self._resource_lock = threading.Lock()
-        self._closed = False
         self._resources: dict[str, str] = {}  # base model -> the resource this face made
+        self._write_lock = threading.Lock()  # a future's write, `flush` and `close`
+        self._held: dict[str, dict[str, Any]] = {}  # request id -> outcome not yet written
+        self._closed = False
 
     # -- futures ---------------------------------------------------------------------------
 
-    def future(self, owner: str, kind: str, idem_key: str | None) -> tuple[TinkerFuture, bool]:
-        """A new pending future, or the one this idempotency key already made (False)."""
-        if idem_key:
-            existing = self.db.future_by_key(idem_key)
+    def future(self, owner: str, kind: str, key: RequestKey) -> tuple[TinkerFuture, bool]:
+        """A new pending future, or the one this request's identity already made (False); a
+        409 when another request made it (`RequestKey.same`)."""
+        if key.key:
+            existing = self.db.future_by_key(key.key)
             if existing is not None:
-                return existing, False
+                return key.same(existing), False
         now = time.time()
         row = TinkerFuture(
             id=f"req_{uuid.uuid4().hex}",
@@ -111,41 +132,70 @@ class TinkerBridge:
             status=PENDING,
             created_at=now,
             updated_at=now,
-            idem_key=idem_key or None,
+            idem_key=key.key,
+            body_hash=key.digest,
         )
         try:
             self.db.insert(row)
-        except Exception:  # a concurrent retry with the same key won the insert
-            existing = self.db.future_by_key(idem_key or "")
+        except sqlite3.IntegrityError:  # a concurrent retry with the same key won the insert
+            existing = self.db.future_by_key(key.key or "")
             if existing is None:
                 raise
-            return existing, False
+            return key.same(existing), False
         return row, True
 
+    def lookup(self, request_id: str) -> TinkerFuture | None:
+        """The future as its client sees it: the stored row with an outcome the disk could
+        not take yet applied."""
+        row = self.db.get(TinkerFuture, request_id)
+        with self._write_lock:
+            held = self._held.get(request_id)
+        return replace(row, **held) if row is not None and held else row
+
     def finish(self, request_id: str, result: dict[str, Any]) -> None:
-        if self._closed:  # shut down under it: the next start fails it (`recover`)
-            return
-        self.db.update(TinkerFuture, request_id, status=DONE, result=result, updated_at=time.time())
-        self.waiters.notify(request_id)
+        self._settle(request_id, status=DONE, result=result)
 
     def fail(self, request_id: str, message: str, category: str) -> None:
-        if self._closed:
-            return
-        self.db.update(
-            TinkerFuture,
-            request_id,
-            status=FAILED,
-            error=message,
-            category=category,
-            updated_at=time.time(),
-        )
+        self._settle(request_id, status=FAILED, error=message, category=category)
+
+    def _settle(self, request_id: str, **changes: Any) -> None:
+        """Write a future's outcome and wake its pollers; on a full disk hold it in memory
+        until `flush`. After `close` nothing is written: the next start fails it."""
+        changes["updated_at"] = time.time()
+        with self._write_lock:
+            if self._closed:
+                return
+            try:
+                self.db.update(TinkerFuture, request_id, **changes)
+            except Exception as exc:
+                if not is_disk_full(exc):
+                    raise
+                log.error("tinker request %s: tinker.sqlite is full; held in memory", request_id)
+                self._held[request_id] = changes
+            else:
+                self._held.pop(request_id, None)
         self.waiters.notify(request_id)
 
+    def flush(self) -> int:
+        """Write the outcomes a full disk refused; how many are still held."""
+        with self._write_lock:
+            if self._closed:
+                return len(self._held)
+            for request_id, changes in list(self._held.items()):
+                try:
+                    self.db.update(TinkerFuture, request_id, **changes)
+                except Exception as exc:  # still full (or another storage error): keep it
+                    if not is_disk_full(exc):
+                        log.exception("tinker request %s: writing its outcome failed", request_id)
+                    continue
+                del self._held[request_id]
+            return len(self._held)
+
     def start(
-        self, owner: str, kind: str, key: str | None, work: Callable[[str], dict[str, Any]]
+        self, owner: str, kind: str, key: RequestKey, work: Callable[[str], dict[str, Any]]
     ) -> str:
         """The request's future id: a new future whose `work(request_id)` runs on the owner's
-        dispatcher, or the future an earlier try with the same idempotency key made."""
+        dispatcher, or the future an earlier try of the same request made."""
         future, new = self.future(owner, kind, key)
         if new:
             self.dispatch(owner, future.id, lambda: work(future.id))
@@ -166,23 +216,40 @@ class TinkerBridge:
                 category = "user" if exc.code in USER_CODES else "server"
                 self.fail(request_id, f"{exc.code}: {exc.message}", category)
             except Exception as exc:
-                if self._closed:  # the worker shut down under it: `recover` fails it
-                    return
-                log.exception("tinker request %s crashed", request_id)
-                self.fail(request_id, f"internal error: {type(exc).__name__}: {exc}", "server")
+                self._crashed(request_id, exc)
             else:
                 self.finish(request_id, result)
 
-        with self._lock:
-            pool = self._dispatchers.get(owner)
-            if pool is None:
-                pool = ThreadPoolExecutor(1, thread_name_prefix=f"tinker-{owner[-24:]}")
-                self._dispatchers[owner] = pool
-        pool.submit(run)
+        if not self.dispatchers.submit(owner, Task(request_id, run)):
+            self.fail(request_id, NOT_RUN, "server")
+
+    def _crashed(self, request_id: str, exc: Exception) -> None:
+        if self.dispatchers.stopped:  # the worker shut down under it (its stores may be closed)
+            log.info("tinker request %s: the worker shut down while it ran", request_id)
+            self.fail(request_id, SHUT_DOWN, "server")
+        elif is_disk_full(exc):
+            log.error("tinker request %s: the disk is full: %s", request_id, exc)
+            self.fail(request_id, DISK_FULL, "server")
+        else:
+            log.exception("tinker request %s crashed", request_id)
+            self.fail(request_id, f"internal error: {type(exc).__name__}: {exc}", "server")
 
     def sweep(self, now: float) -> list[str]:
-        """End the Tinker sessions whose heartbeats stopped (their models' and samplers' engine
-        sessions close; their checkpoints stay), and forget long-settled futures."""
+        """Write held outcomes; end the Tinker sessions whose heartbeats stopped (their models'
+        engine sessions and the sampler sessions only they used close; their checkpoints
+        stay), and forget long-settled futures."""
+        self.flush()
+        try:
+            ended = self._end_silent_sessions(now)
+            self.db.prune(now - FUTURE_TTL_S)
+        except Exception as exc:  # a full disk: the next sweep tries again
+            if not is_disk_full(exc):
+                raise
+            log.error("tinker sweep: tinker.sqlite is full; retried at the next sweep")
+            return []
+        return ended
+
+    def _end_silent_sessions(self, now: float) -> list[str]:
         ended = self.db.select(
             TinkerSession, "ended_at IS NULL AND heartbeat_at < ?", (now - SESSION_TIMEOUT_S,)
         )
@@ -193,17 +260,30 @@ class TinkerBridge:
             self.db.update(TinkerSession, session.id, ended_at=now)
             for model in self.db.select(TinkerModel, "tinker_session = ?", (session.id,)):
                 self.stop_session(model.session_id)
-        self.db.prune(now - FUTURE_TTL_S)
-        return [s.id for s in ended]
+        ids = [s.id for s in ended]
+        if ids:
+            for hook in self.on_sessions_ended:
+                hook(ids)
+        return ids
+
+    def drain(self, grace_s: float) -> bool:
+        """The first step of shutdown, while the engine still runs: no new request is taken,
+        the queued ones fail cleanly, the running ones get `grace_s` seconds to finish. True
+        if none is left running."""
+        self._stop_dispatchers()
+        return self.dispatchers.join(grace_s)
+
+    def _stop_dispatchers(self) -> None:
+        for request_id in self.dispatchers.stop():
+            self.fail(request_id, NOT_RUN, "server")
 
     def close(self) -> None:
-        self._closed = True
-        with self._lock:
-            pools = list(self._dispatchers.values())
-            self._dispatchers.clear()
-        for pool in pools:
-            pool.shutdown(wait=False, cancel_futures=True)
-        self.db.close()
+        """The last step of shutdown: held outcomes written if they fit, the store closed."""
+        self._stop_dispatchers()
+        self.flush()
+        with self._write_lock:
+            self._closed = True
+            self.db.close()
 
     # -- the catalogue, resources and sessions --------------------------------------------
 
@@ -274,7 +354,7 @@ class TinkerBridge:
         """Queue `call` on the model's session now and wait for its output."""
         session_id = model if isinstance(model, str) else self.current_session(model.id)
         if not isinstance(model, str):
-            self.db.update(TinkerModel, model.id, last_request_at=time.time())
+            self._touch(model.id)
         row = self.worker.submit(session_id, kind, f"tinker:{key}", key, call)
         done = self.worker.oplog.futures.get(row.id)
         if done is not None:
@@ -291,6 +371,14 @@ class TinkerBridge:
         if payload_id is not None:
             output.update(self.worker.payloads.read_json(session_id, payload_id))
         return output
+
+    def _touch(self, model_id: str) -> None:
+        """Record the model's last request (skipped when the disk is full: the request runs)."""
+        try:
+            self.db.update(TinkerModel, model_id, last_request_at=time.time())
+        except Exception as exc:
+            if not is_disk_full(exc):
+                raise
 
     def current_session(self, model_id: str) -> str:
         model = self.db.get(TinkerModel, model_id)

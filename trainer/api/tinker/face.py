@@ -4,12 +4,12 @@ clear answer for every route the SDK knows that this worker does not serve."""
 from __future__ import annotations
 
 import hmac
-import re
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 
 from trainer.api.tinker import routes, routes_runs, routes_train, sampling
 from trainer.api.tinker.bridge import TinkerBridge
+from trainer.api.tinker.paths import TINKER_ID
 from trainer.serving.errors import ApiError, bad_request
 from trainer.serving.worker import Worker
 
@@ -55,10 +55,6 @@ class TinkerAuth:
         matches = [hmac.compare_digest(candidate, key) for key in self._keys]
         if not any(matches):
             raise ApiError(401, "invalid API key", code="invalid_api_key")
-
-
-TINKER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_:-]{0,255}$")
-"""Tinker ids: our safe ids plus ':' (`<session>:train:<seq>`); no '/', '.', or '..'."""
 
 
 async def check_tinker_ids(request: Request) -> None:

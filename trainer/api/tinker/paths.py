@@ -11,6 +11,8 @@ downloads what the other saved.
 
 from __future__ import annotations
 
+import re
+
 from trainer.api.tinker.bridge import TinkerBridge
 from trainer.api.tinker.records import TinkerCheckpoint
 from trainer.checkpoint.store import INFERENCE, TRAINING, CheckpointRecord
@@ -20,6 +22,11 @@ SEGMENTS = {"training": "weights", "sampler": "sampler_weights", "external": "ex
 KINDS = {segment: kind for kind, segment in SEGMENTS.items()}
 ENGINE_TYPES = {"training": TRAINING, "sampler": INFERENCE, "external": INFERENCE}
 PREFIX = "tinker://"
+NAME_MAX = 200
+
+TINKER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_:-]{0,255}$")
+"""Tinker ids: our safe ids plus ':' (`<session>:train:<seq>`); no '/', '.', or '..'. A path
+parameter of the face's routes, and each part of a checkpoint id, is one."""
 
 
 def make(run_id: str, kind: str, name: str) -> str:
@@ -39,9 +46,14 @@ def parse(path: str, field: str) -> tuple[str, str, str]:
 
 
 def check_name(name: str, field: str) -> str:
-    if not name or "/" in name or name in (".", "..") or len(name) > 200:
+    """A checkpoint name that every route can address (list, sign, delete: a Tinker id of at
+    most `NAME_MAX` characters); a 400 naming `field` otherwise."""
+    if len(name) > NAME_MAX or not TINKER_ID.fullmatch(name):
+        shown = name if len(name) <= NAME_MAX else f"{name[:40]}... ({len(name)} characters)"
         raise bad_request(
-            f"{field}: {name!r} is not a checkpoint name (no '/', 1-200 chars)", field
+            f"{field}: {shown!r} is not a checkpoint name (1-{NAME_MAX} letters, digits, '_', "
+            "'-' or ':', starting with a letter or digit)",
+            field,
         )
     return name
 

@@ -59,10 +59,11 @@ class TinkerFuture:
     status: str
     created_at: float
     updated_at: float
-    idem_key: str | None = None
+    idem_key: str | None = None  # who sent it and what it asked (`identity.request_key`)
     result: dict[str, Any] | None = None
     error: str | None = None
     category: str | None = None  # "user" | "server"
+    body_hash: str | None = None  # sha256 of the request's body: another body is a 409
 
 
 @dataclass
@@ -108,7 +109,8 @@ CREATE TABLE IF NOT EXISTS models (
     lora_config TEXT, user_metadata TEXT);
 CREATE TABLE IF NOT EXISTS futures (
     id TEXT PRIMARY KEY, model_id TEXT, kind TEXT, status TEXT, created_at REAL,
-    updated_at REAL, idem_key TEXT UNIQUE, result TEXT, error TEXT, category TEXT);
+    updated_at REAL, idem_key TEXT UNIQUE, result TEXT, error TEXT, category TEXT,
+    body_hash TEXT);
 CREATE TABLE IF NOT EXISTS checkpoints (
     path TEXT PRIMARY KEY, run_id TEXT, kind TEXT, name TEXT, checkpoint_id TEXT,
     created_at REAL, expires_at REAL, user_metadata TEXT);
@@ -123,6 +125,9 @@ class TinkerStore:
     def __init__(self, path: Path) -> None:
         self._lock = threading.Lock()
         self._db = open_db(path, _SCHEMA)
+        columns = {row["name"] for row in self._db.execute("PRAGMA table_info(futures)")}
+        if "body_hash" not in columns:  # a store whose futures table lacks the column gets it
+            self._db.execute("ALTER TABLE futures ADD COLUMN body_hash TEXT")
 
     def close(self) -> None:
         with self._lock:

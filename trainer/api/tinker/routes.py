@@ -22,7 +22,8 @@ from pydantic import BaseModel, ValidationError
 from trainer.api.http import json_object
 from trainer.api.tinker import convert, paths, proto
 from trainer.api.tinker.bridge import TinkerBridge
-from trainer.api.tinker.records import DONE, FAILED, TinkerFuture, TinkerModel, TinkerSession
+from trainer.api.tinker.identity import RequestKey, body_digest
+from trainer.api.tinker.records import DONE, FAILED, TinkerModel, TinkerSession
 from trainer.api.tinker.requests import (
     CreateModel,
     CreateSession,
@@ -63,18 +64,6 @@ def future_json(request_id: str, model_id: str | None = None) -> dict[str, Any]:
     if model_id is not None:
         out["model_id"] = model_id
     return out
-
-
-def idem_key(request: Request, *parts: Any) -> str | None:
-    """The SDK reuses `X-Idempotency-Key` across its retries of one request; a request's own
-    ids (model, seq_id) make the key when the header is absent. Without either (no seq_id),
-    none: every such request runs (two seq-less optim steps are two steps)."""
-    header = request.headers.get("x-idempotency-key", "").strip()[:256]
-    if header:
-        return f"{request.url.path}|{header}"
-    if any(part is None for part in parts):
-        return None
-    return "|".join(str(p) for p in parts)
 
 
 # -- service -------------------------------------------------------------------------------
@@ -227,7 +216,9 @@ async def create_model(request: Request) -> dict[str, Any]:
         )
         return {"model_id": model_id, "type": "create_model"}
 
-    request_id = bridge.start(model_id, "CreateModel", f"create_model|{model_id}", work)
+    # the model id names the request; the same id with another body is a 409
+    key = RequestKey(f"create_model|{model_id}", body_digest("CreateModel", body), "model_seq_id")
+    request_id = bridge.start(model_id, "CreateModel", key, work)
     return future_json(request_id, model_id)
 
 
@@ -311,16 +302,16 @@ async def retrieve_future(request: Request) -> Response:
     body: RetrieveFuture = await parse(request, RetrieveFuture)
     bridge = bridge_of(request)
     request_id = body.request_id
-    row = bridge.db.get(TinkerFuture, request_id)
+    row = bridge.lookup(request_id)
     if row is None:
         raise not_found("request", request_id, "request_id")
 
     def settled() -> bool:
-        current = bridge.db.get(TinkerFuture, request_id)
+        current = bridge.lookup(request_id)
         return current is not None and current.status in (DONE, FAILED)
 
     await bridge.waiters.wait(request_id, LONG_POLL_S, settled)
-    row = bridge.db.get(TinkerFuture, request_id)
+    row = bridge.lookup(request_id)
     assert row is not None
     if row.status == FAILED:
         return JSONResponse({"error": row.error or "failed", "category": row.category or "server"})

@@ -19,6 +19,7 @@ from fastapi.concurrency import run_in_threadpool
 from trainer.api.http import json_object
 from trainer.api.tinker import convert, paths, proto
 from trainer.api.tinker.bridge import RequestFailed, TinkerBridge
+from trainer.api.tinker.identity import request_key
 from trainer.api.tinker.records import TinkerCheckpoint, TinkerModel, TinkerSession
 from trainer.api.tinker.requests import (
     LoadWeights,
@@ -32,7 +33,6 @@ from trainer.api.tinker.routes import (
     bridge_of,
     future_json,
     get_model,
-    idem_key,
     input_error,
     live_model,
     parse,
@@ -85,7 +85,8 @@ def storable_fb(out: dict[str, Any]) -> dict[str, Any]:
 async def forward_backward(request: Request) -> dict[str, Any]:
     bridge = bridge_of(request)
     limit = bridge.worker.config.max_body_bytes
-    if proto.PROTOBUF in request.headers.get("content-type", ""):
+    as_proto = proto.PROTOBUF in request.headers.get("content-type", "")
+    if as_proto:
         if request.headers.get("content-encoding", "identity") not in ("identity", ""):
             raise bad_request(
                 "Content-Encoding: compressed bodies are not accepted (client/config sets "
@@ -113,8 +114,12 @@ async def forward_backward(request: Request) -> dict[str, Any]:
         raise input_error(exc) from None
     call = await run_in_threadpool(bridge.prepare, model.session_id, "forward-backward", body)
     kind = "Forward" if forward_only else "ForwardBackward"
-    key = idem_key(request, model_id, seq_id_of(req), kind)
     loss_fn = str(fbi.get("loss_fn", ""))
+    seq_id = seq_id_of(req)
+    if as_proto and seq_id == 0:  # proto3 cannot tell 0 from absent; the SDK counts from 1
+        seq_id = None
+    asked = {"loss_fn": loss_fn, "body": body}
+    key = await run_in_threadpool(request_key, request, model_id, kind, seq_id, asked)
 
     def work(request_id: str) -> dict[str, Any]:
         result = bridge.run(model, "forward-backward", call, request_id)
@@ -133,7 +138,7 @@ async def optim_step(request: Request) -> dict[str, Any]:
     except convert.TinkerInputError as exc:
         raise input_error(exc) from None
     call = await run_in_threadpool(bridge.prepare, model.session_id, "optim-step", body)
-    key = idem_key(request, model.id, seq_id_of(req), "optim")
+    key = request_key(request, model.id, "OptimStep", seq_id_of(req), body)
 
     def work(request_id: str) -> dict[str, Any]:
         return convert.optim_step_output(bridge.run(model, "optim-step", call, request_id))
@@ -194,7 +199,7 @@ async def save_weights(request: Request) -> dict[str, Any]:
     bridge = bridge_of(request)
     model = live_model(bridge, body.model_id)
     name = _checkpoint_name(bridge, model, "training", body.path)
-    key = idem_key(request, model.id, body.seq_id, "save")
+    key = request_key(request, model.id, "SaveWeights", body.seq_id, body)
 
     def work(request_id: str) -> dict[str, Any]:
         path = _save(
@@ -218,7 +223,7 @@ async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
     bridge = bridge_of(request)
     model = live_model(bridge, body.model_id)
     name = _checkpoint_name(bridge, model, "sampler", body.path)
-    key = idem_key(request, model.id, body.seq_id, "save_for_sampler")
+    key = request_key(request, model.id, "SaveWeightsForSampler", body.seq_id, body)
 
     def work(request_id: str) -> dict[str, Any]:
         path = _save(
@@ -242,7 +247,7 @@ async def save_weights_external(request: Request) -> dict[str, Any]:
     bridge = bridge_of(request)
     model = live_model(bridge, body.model_id)
     name = paths.check_name(body.path, "path")
-    key = idem_key(request, model.id, body.seq_id, "save_external")
+    key = request_key(request, model.id, "SaveWeightsExternal", body.seq_id, body)
 
     def work(request_id: str) -> dict[str, Any]:
         path = _save(bridge, model, "external", name, request_id, body.ttl_seconds, None, True)
@@ -288,7 +293,8 @@ async def load_weights(request: Request) -> dict[str, Any]:
 
     def work(_: str) -> dict[str, Any]:
         old = bridge.db.get(TinkerModel, target)
-        resource_id = old.resource_id if old is not None else bridge.resource_for(base_model)
+        # the face's live resource (made again if the model's own was stopped or restarted)
+        resource_id = bridge.resource_for(base_model)
         session_id = bridge.open_session(resource_id, spec, "path")
         now = time.time()
         model = TinkerModel(
@@ -308,7 +314,7 @@ async def load_weights(request: Request) -> dict[str, Any]:
             bridge.stop_session(old.session_id)
         return {"path": body.path, "model_id": target, "type": "load_weights"}
 
-    key = idem_key(request, target, body.seq_id, "load")
+    key = request_key(request, target, "LoadWeights", body.seq_id, body)
     return future_json(bridge.start(target, "LoadWeights", key, work), target)
 
 
@@ -317,7 +323,8 @@ async def unload_model(request: Request) -> dict[str, Any]:
     body: ModelRef = await parse(request, ModelRef)
     bridge = bridge_of(request)
     model = get_model(bridge, body.model_id)
-    key = idem_key(request, model.id, "unload")
+    # unloading the session that holds the model now is one request, however often it is sent
+    key = request_key(request, model.id, "UnloadModel", model.session_id, body)
 
     def work(_: str) -> dict[str, Any]:
         bridge.stop_session(bridge.current_session(model.id))

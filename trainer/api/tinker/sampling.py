@@ -21,12 +21,12 @@ from fastapi.concurrency import run_in_threadpool
 from trainer.api.http import json_object
 from trainer.api.tinker import convert, paths
 from trainer.api.tinker.bridge import TinkerBridge, tinker_named
+from trainer.api.tinker.identity import request_key
 from trainer.api.tinker.records import TinkerSampler, TinkerSession
 from trainer.api.tinker.requests import CreateSamplingSession
 from trainer.api.tinker.routes import (
     bridge_of,
     future_json,
-    idem_key,
     input_error,
     parse,
     seq_id_of,
@@ -41,40 +41,72 @@ MAX_SAMPLER_SESSIONS = 4
 
 
 class SamplerSessions:
-    """Engine sessions that serve samples, keyed by what they sample."""
+    """Engine sessions that serve samples, keyed by what they sample (a checkpoint id, or
+    `base:<model>`). A session in use is never closed under its user: the use is counted under
+    the lock that looks the session up, and eviction passes over keys in use."""
 
     def __init__(self, bridge: TinkerBridge) -> None:
         self.bridge = bridge
         self.lock = threading.Lock()
         self.open: OrderedDict[str, str] = OrderedDict()  # key -> engine session id
-        self.in_use: dict[str, int] = {}
-        self.opening: dict[str, threading.Lock] = {}
+        self.in_use: dict[str, int] = {}  # key -> samples using (or opening) it; absent: 0
+        self.opening: dict[str, threading.Lock] = {}  # key -> held while its session opens
+        bridge.on_sessions_ended.append(self.sessions_ended)
+
+    @staticmethod
+    def key_of(sampler: TinkerSampler) -> str:
+        return sampler.checkpoint_id or f"base:{sampler.base_model}"
 
     def acquire(self, sampler: TinkerSampler) -> tuple[str, str]:
-        key = sampler.checkpoint_id or f"base:{sampler.base_model}"
+        """(key, engine session id) for a sample of `sampler`, opening the session if none
+        runs; `release(key)` after the sample."""
+        key = self.key_of(sampler)
         with self.lock:
+            self.in_use[key] = self.in_use.get(key, 0) + 1
             gate = self.opening.setdefault(key, threading.Lock())
-        with gate:
-            with self.lock:
-                session_id = self.open.get(key)
-            if session_id is not None and not self._running(session_id):
+        try:
+            with gate:
                 with self.lock:
-                    self.open.pop(key, None)
-                session_id = None
-            if session_id is None:
-                session_id = self._open(sampler)
+                    session_id = self.open.get(key)
+                if session_id is None or not self._running(session_id):
+                    session_id = self._open(sampler)
                 with self.lock:
                     self.open[key] = session_id
-            with self.lock:
-                self.open.move_to_end(key)
-                self.in_use[key] = self.in_use.get(key, 0) + 1
+                    self.open.move_to_end(key)
+        except BaseException:
+            self.release(key)
+            raise
         self._evict()
         return key, session_id
 
     def release(self, key: str) -> None:
         with self.lock:
-            self.in_use[key] = max(0, self.in_use.get(key, 1) - 1)
+            count = self.in_use.get(key, 1) - 1
+            if count > 0:
+                self.in_use[key] = count
+            else:  # nobody holds its gate either: every holder is counted
+                self.in_use.pop(key, None)
+                self.opening.pop(key, None)
         self._evict()
+
+    def sessions_ended(self, session_ids: list[str]) -> None:
+        """Close the idle engine sessions that only samplers of these ended Tinker sessions
+        used (a bridge hook, run by the heartbeat sweep)."""
+        db = self.bridge.db
+        marks = ", ".join("?" for _ in session_ids)
+        ended = db.select(TinkerSampler, f"tinker_session IN ({marks})", tuple(session_ids))
+        alive = db.select(
+            TinkerSampler, "tinker_session IN (SELECT id FROM sessions WHERE ended_at IS NULL)"
+        )
+        unused = {self.key_of(s) for s in ended} - {self.key_of(s) for s in alive}
+        with self.lock:
+            closing = [
+                self.open.pop(key)
+                for key in unused
+                if key in self.open and self.in_use.get(key, 0) == 0
+            ]
+        for session_id in closing:
+            self.bridge.stop_session(session_id)
 
     def _running(self, session_id: str) -> bool:
         row = self.bridge.worker.store.get(SessionRow, session_id)
@@ -94,7 +126,7 @@ class SamplerSessions:
         closing: list[str] = []
         with self.lock:
             for key in list(self.open):
-                if len(self.open) - len(closing) <= MAX_SAMPLER_SESSIONS:
+                if len(self.open) <= MAX_SAMPLER_SESSIONS:
                     break
                 if self.in_use.get(key, 0) == 0:
                     closing.append(self.open.pop(key))
@@ -196,9 +228,9 @@ async def asample(request: Request) -> dict[str, Any]:
     except convert.TinkerInputError as exc:
         raise input_error(exc) from None
     call = await run_in_threadpool(_prepare_sample, bridge, sampler.base_model, body)
+    key = await run_in_threadpool(request_key, request, sampler.id, "Sample", seq_id_of(req), body)
     if sampler_id is None:
         bridge.db.insert(sampler, replace=True)
-    key = idem_key(request, sampler.id, seq_id_of(req), "sample")
     sessions = samplers_of(request)
 
     def work(request_id: str) -> dict[str, Any]:
