@@ -25,7 +25,7 @@ import pytest
 from tests.api.conftest import LiveServer, serve_in_thread
 from tests.faults.test_disk_full import _fill_up, _tmpfs
 from tests.tinker import tinker_http as th
-from trainer.api.tinker.records import DONE, PENDING, TinkerFuture, TinkerStore
+from trainer.api.tinker.records import DONE, PENDING, TinkerFuture, TinkerRecords
 from trainer.engine.resource import COMPUTE_LOCK
 
 
@@ -67,14 +67,14 @@ def test_injected_full_disk(
     with serve_in_thread(storage, models) as live, th.client(live) as http:
         model = th.new_model(http)
         expected = th.forward(http, model)
-        update = TinkerStore.update
+        update = TinkerRecords.update
 
-        def full(self: TinkerStore, cls: type[Any], key: str, **changes: Any) -> None:
+        def full(self: TinkerRecords, cls: type[Any], key: str, **changes: Any) -> None:
             if cls is TinkerFuture:
                 raise sqlite3.OperationalError("database or disk is full")
             update(self, cls, key, **changes)
 
-        monkeypatch.setattr(TinkerStore, "update", full)
+        monkeypatch.setattr(TinkerRecords, "update", full)
         ids = submit_forwards(http, model, 20)
         results = {request_id: th.wait(http, request_id, timeout=60) for request_id in ids}
         for result in results.values():

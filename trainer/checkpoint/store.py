@@ -348,16 +348,10 @@ class CheckpointStore:
         return [self._record(row) for row in rows]
 
     def _record(self, row: tuple[Any, ...]) -> CheckpointRecord:
-        checkpoint_id, type_, session_id, step, base_model, lora_rank, created_at = row[:7]
+        id_, type_, session_id, step, base_model, lora_rank, created_at = row[:7]
+        path = self.dir / id_
         return CheckpointRecord(
-            id=checkpoint_id,
-            type=type_,
-            session_id=session_id,
-            step=step,
-            base_model=base_model,
-            lora_rank=lora_rank,
-            created_at=created_at,
-            path=self.dir / checkpoint_id,
+            id_, type_, session_id, step, base_model, lora_rank, created_at, path
         )
 
     def manifest(self, checkpoint_id: str) -> dict[str, Any]:

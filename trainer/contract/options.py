@@ -53,9 +53,7 @@ class EngineOptions(StrictSpec):
         description="run concurrent LoRA sessions' forward(-backward) calls as one shared pass",
     )
     merge_window_ms: float = Field(
-        default=MERGE_WINDOW_MS,
-        ge=0,
-        description="how long a shared pass waits for more calls to join it",
+        default=MERGE_WINDOW_MS, ge=0, description="how long a shared pass waits for more calls"
     )
     merge_max_tokens: int = Field(
         default=MERGE_MAX_TOKENS, ge=1, description="tokens per shared pass, at most"

@@ -36,8 +36,8 @@ from trainer.api.tinker.records import (
     PENDING,
     TinkerFuture,
     TinkerModel,
+    TinkerRecords,
     TinkerSession,
-    TinkerStore,
 )
 from trainer.api.tinker.waiters import Waiters
 from trainer.contract.errors import OperationError
@@ -102,7 +102,7 @@ class RequestFailed(Exception):
 class TinkerBridge:
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
-        self.db = TinkerStore(worker.config.storage / "tinker.sqlite")
+        self.db = TinkerRecords(worker.config.storage / "tinker.sqlite")
         failed = self.db.recover()
         if failed:
             log.info("tinker: %d requests pending at the last stop failed cleanly", failed)

@@ -121,7 +121,7 @@ CREATE TABLE IF NOT EXISTS samplers (
 """
 
 
-class TinkerStore:
+class TinkerRecords:
     def __init__(self, path: Path) -> None:
         self._lock = threading.Lock()
         self._db = open_db(path, _SCHEMA)

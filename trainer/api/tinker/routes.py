@@ -171,8 +171,7 @@ async def finish_session(request: Request, session_id: str) -> dict[str, Any]:
 async def create_model(request: Request) -> dict[str, Any]:
     body: CreateModel = await parse(request, CreateModel)
     bridge = bridge_of(request)
-    if bridge.db.get(TinkerSession, body.session_id) is None:
-        raise not_found("session", body.session_id, "session_id")
+    get_session(bridge, body.session_id)
     entry = bridge.entry(body.base_model)
     lora = body.lora_config
     rank = lora.rank if lora is not None else min(32, entry.max_lora_rank)
@@ -237,6 +236,13 @@ def model_info(bridge: TinkerBridge, model: TinkerModel) -> dict[str, Any]:
         "optimizer_config": {"type": "adamw"},
         "model_data": {"arch": arch, "model_name": model.base_model, "tokenizer_id": tokenizer},
     }
+
+
+def get_session(bridge: TinkerBridge, session_id: str) -> TinkerSession:
+    session = bridge.db.get(TinkerSession, session_id)
+    if session is None:
+        raise not_found("session", session_id, "session_id")
+    return session
 
 
 def get_model(bridge: TinkerBridge, model_id: str) -> TinkerModel:

@@ -19,7 +19,7 @@ from fastapi.concurrency import run_in_threadpool
 from trainer.api.http import json_object
 from trainer.api.tinker import convert, paths, proto
 from trainer.api.tinker.bridge import RequestFailed, TinkerBridge
-from trainer.api.tinker.identity import request_key
+from trainer.api.tinker.identity import RequestKey, request_key
 from trainer.api.tinker.records import TinkerCheckpoint, TinkerModel, TinkerSession
 from trainer.api.tinker.requests import (
     LoadWeights,
@@ -193,13 +193,20 @@ def _save(
     return path
 
 
+def _save_request(
+    request: Request, body: SaveWeights | SaveWeightsForSampler, kind: str, op: str
+) -> tuple[TinkerBridge, TinkerModel, str, RequestKey]:
+    """What a save route needs first: its model, the checkpoint's name, the request's key."""
+    bridge = bridge_of(request)
+    model = live_model(bridge, body.model_id)
+    name = _checkpoint_name(bridge, model, kind, body.path)
+    return bridge, model, name, request_key(request, model.id, op, body.seq_id, body)
+
+
 @router.post("/save_weights")
 async def save_weights(request: Request) -> dict[str, Any]:
     body: SaveWeights = await parse(request, SaveWeights)
-    bridge = bridge_of(request)
-    model = live_model(bridge, body.model_id)
-    name = _checkpoint_name(bridge, model, "training", body.path)
-    key = request_key(request, model.id, "SaveWeights", body.seq_id, body)
+    bridge, model, name, key = _save_request(request, body, "training", "SaveWeights")
 
     def work(request_id: str) -> dict[str, Any]:
         path = _save(
@@ -220,10 +227,7 @@ async def save_weights(request: Request) -> dict[str, Any]:
 @router.post("/save_weights_for_sampler")
 async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
     body: SaveWeightsForSampler = await parse(request, SaveWeightsForSampler)
-    bridge = bridge_of(request)
-    model = live_model(bridge, body.model_id)
-    name = _checkpoint_name(bridge, model, "sampler", body.path)
-    key = request_key(request, model.id, "SaveWeightsForSampler", body.seq_id, body)
+    bridge, model, name, key = _save_request(request, body, "sampler", "SaveWeightsForSampler")
 
     def work(request_id: str) -> dict[str, Any]:
         path = _save(

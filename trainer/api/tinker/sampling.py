@@ -22,11 +22,12 @@ from trainer.api.http import json_object
 from trainer.api.tinker import convert, paths
 from trainer.api.tinker.bridge import TinkerBridge, tinker_named
 from trainer.api.tinker.identity import request_key
-from trainer.api.tinker.records import TinkerSampler, TinkerSession
+from trainer.api.tinker.records import TinkerSampler
 from trainer.api.tinker.requests import CreateSamplingSession
 from trainer.api.tinker.routes import (
     bridge_of,
     future_json,
+    get_session,
     input_error,
     parse,
     seq_id_of,
@@ -174,8 +175,7 @@ def new_sampler(
 async def create_sampling_session(request: Request) -> dict[str, Any]:
     body: CreateSamplingSession = await parse(request, CreateSamplingSession)
     bridge = bridge_of(request)
-    if bridge.db.get(TinkerSession, body.session_id) is None:
-        raise not_found("session", body.session_id, "session_id")
+    get_session(bridge, body.session_id)
     sampler_id = f"{body.session_id}:sample:{body.sampling_session_seq_id}"
     await run_in_threadpool(
         new_sampler, bridge, sampler_id, body.session_id, body.base_model, body.model_path
