@@ -1,6 +1,5 @@
 """Routing-replay keys (docs/semantics.md §12): where recorded routes live, and how a session's
-samples
-issue and use them.
+samples issue and use them.
 
 Design notes: `docs/design/engine.md`.
 """
@@ -12,6 +11,9 @@ import re
 import secrets
 import threading
 import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,47 +33,107 @@ class UnknownKey(LookupError):
     """The key is malformed, unknown or expired."""
 
 
+SHARE_FLOOR = 16
+"""A session's share of the byte budget is never below `max_bytes // SHARE_FLOOR`."""
+
+
+@dataclass
+class _Key:
+    created: float
+    size: int
+    owner: str
+
+
 class ReplayKeys:
-    """The key files under one storage root. Thread-safe; `clock` is for tests."""
+    """The key files under one storage root. Thread-safe; `clock` is for tests.
+
+    Every put and lookup costs O(1) in the number of keys (amortised): `_keys` lists all keys
+    oldest first, so expiry drops from its front; `_owned` lists each session's keys oldest
+    first, so a session over its share (`share`) drops its own oldest keys and never another
+    session's."""
 
     def __init__(
         self,
         root: Path,
         ttl_s: float = ROUTES_TTL_S,
         max_bytes: int = ROUTES_MAX_BYTES,
-        clock: Any = time.time,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.dir = Path(root) / "routes"
         self.ttl_s = ttl_s
         self.max_bytes = max_bytes
         self.clock = clock
         self._lock = threading.Lock()
-        self._index: dict[str, tuple[float, int]] = {}  # key -> (created_at, bytes)
+        self._keys: OrderedDict[str, _Key] = OrderedDict()
+        self._owned: dict[str, OrderedDict[str, int]] = {}  # owner -> key -> bytes
+        self._bytes: dict[str, int] = {}  # owner -> bytes of its keys
         self._scan()
 
     def _scan(self) -> None:
         if not self.dir.is_dir():
             return
+        found: list[tuple[str, _Key]] = []
         for path in self.dir.iterdir():
             if path.suffix == ".tmp":
                 path.unlink(missing_ok=True)  # a write cut short
                 continue
             key = path.name.removesuffix(".safetensors")
-            if KEY_PATTERN.fullmatch(key) and self._index_one(key) is None:
+            if not KEY_PATTERN.fullmatch(key):
+                continue
+            entry = self._read_entry(key)
+            if entry is None:
                 path.unlink(missing_ok=True)  # a damaged file: it can serve no replay
+            else:
+                found.append((key, entry))
+        for key, entry in sorted(found, key=lambda item: item[1].created):
+            self._add(key, entry)
 
-    def _index_one(self, key: str) -> tuple[float, int] | None:
+    def _read_entry(self, key: str) -> _Key | None:
         path = self._path(key)
         try:
             with safe_open(str(path), "pt") as f:
-                created = float((f.metadata() or {})["created_at"])
+                meta = f.metadata() or {}
+                created, owner = float(meta["created_at"]), str(meta["session_id"])
+            return _Key(created, path.stat().st_size, owner)
         except Exception:  # damaged or half-visible: not a key
             return None
-        self._index[key] = (created, path.stat().st_size)
-        return self._index[key]
 
     def _path(self, key: str) -> Path:
         return self.dir / f"{key}.safetensors"
+
+    def _add(self, key: str, entry: _Key) -> None:
+        self._keys[key] = entry
+        self._owned.setdefault(entry.owner, OrderedDict())[key] = entry.size
+        self._bytes[entry.owner] = self._bytes.get(entry.owner, 0) + entry.size
+
+    def _forget(self, key: str) -> None:
+        entry = self._keys.pop(key, None)
+        if entry is None:
+            return
+        owned = self._owned[entry.owner]
+        del owned[key]
+        self._bytes[entry.owner] -= entry.size
+        if not owned:  # the session holds no key: it no longer takes a share
+            del self._owned[entry.owner], self._bytes[entry.owner]
+
+    def _drop(self, key: str) -> None:
+        self._forget(key)
+        self._path(key).unlink(missing_ok=True)
+
+    def share(self) -> int:
+        """Bytes each session with live keys may hold: the budget split between them, and at
+        least `max_bytes // SHARE_FLOOR`."""
+        sessions = max(len(self._owned), 1)
+        return max(self.max_bytes // sessions, self.max_bytes // SHARE_FLOOR)
+
+    def session_bytes(self, session_id: str) -> int:
+        """Bytes of the session's live keys."""
+        with self._lock:
+            return self._bytes.get(session_id, 0)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._keys)
 
     def put(self, session_id: str, tokens: list[int], routes: torch.Tensor) -> str:
         """Store one sequence's routes; returns its new key."""
@@ -93,26 +155,28 @@ class ReplayKeys:
             tmp.unlink(missing_ok=True)
             raise
         with self._lock:
-            self._index[key] = (now, path.stat().st_size)
-            self._evict(now, keep=key)
+            self._add(key, _Key(now, path.stat().st_size, session_id))
+            self._expire(now, keep=key)
+            self._fit(session_id, keep=key)
         return key
 
-    def _evict(self, now: float, keep: str) -> None:
-        """Expired keys, then the oldest while over the byte budget (`keep` stays)."""
-        for key, (created, _) in list(self._index.items()):
-            if now - created > self.ttl_s and key != keep:
-                self._drop(key)
-        total = sum(size for _, size in self._index.values())
-        for key, (_, size) in sorted(self._index.items(), key=lambda kv: kv[1][0]):
-            if total <= self.max_bytes:
-                break
-            if key != keep:
-                self._drop(key)
-                total -= size
+    def _expire(self, now: float, keep: str) -> None:
+        """Expired keys, from the oldest end (`keep` stays)."""
+        while self._keys:
+            key, entry = next(iter(self._keys.items()))
+            if key == keep or now - entry.created <= self.ttl_s:
+                return
+            self._drop(key)
 
-    def _drop(self, key: str) -> None:
-        self._index.pop(key, None)
-        self._path(key).unlink(missing_ok=True)
+    def _fit(self, owner: str, keep: str) -> None:
+        """The owner's oldest keys while it holds more than its share (`keep` stays)."""
+        share = self.share()
+        owned = self._owned[owner]
+        while self._bytes[owner] > share:
+            oldest = next(iter(owned))
+            if oldest == keep:
+                return
+            self._drop(oldest)
 
     def get(self, key: str) -> tuple[str, torch.Tensor, torch.Tensor]:
         """(session id, tokens, routes) of a live key; UnknownKey otherwise."""
@@ -120,12 +184,14 @@ class ReplayKeys:
             raise UnknownKey("not a routed-experts key")
         now = float(self.clock())
         with self._lock:
-            entry = self._index.get(key)
+            entry = self._keys.get(key)
             if entry is None and self._path(key).is_file():  # written by another process
-                entry = self._index_one(key)
+                entry = self._read_entry(key)
+                if entry is not None:
+                    self._add(key, entry)
             if entry is None:
                 raise UnknownKey("unknown key (never issued, or dropped by the byte budget)")
-            if now - entry[0] > self.ttl_s:
+            if now - entry.created > self.ttl_s:
                 self._drop(key)
                 raise UnknownKey(f"the key expired ({self.ttl_s:g} s after it was issued)")
             path = self._path(key)
@@ -134,7 +200,7 @@ class ReplayKeys:
                     session_id = (f.metadata() or {})["session_id"]
                     return str(session_id), f.get_tensor("tokens"), f.get_tensor("routes")
             except Exception as exc:  # dropped by another process, or damaged
-                self._index.pop(key, None)
+                self._forget(key)
                 raise UnknownKey("unknown key") from exc
 
 
