@@ -140,7 +140,9 @@ def test_losses_and_metrics_equal_one_process(runs: Runs, kind: str) -> None:
 def test_bad_input_fails_on_every_rank_and_the_group_stays_usable(runs: Runs, kind: str) -> None:
     refused = runs.two[kind]["invalid"]
     assert refused["code"] == "INVALID_INPUT"
-    assert refused["message"].startswith("samples[2].model_input.chunks[1]: token id 10000")
+    assert refused["message"].startswith(
+        "samples[2].model_input.chunks[0].encoded_text.tokens[1]: token id 10000"
+    )
     assert refused["then"] > 0  # the next call on the same group ran
 
 

@@ -23,7 +23,7 @@ def _prepare(samples, **kw):
         ([sample([1, 2], [2, 3])] * 5, {}, "samples"),
         ([sample(list(range(2, 20)), list(range(3, 21)))], {}, "samples[0].model_input"),
         ([sample([1, 2], [2, 300])], {}, "samples[0].loss_fn_inputs.target_tokens[1]"),
-        ([sample([1, -2], [2, 3])], {}, "samples[0].model_input.chunks[1]"),
+        ([sample([1, -2], [2, 3])], {}, "samples[0].model_input.chunks[0].encoded_text.tokens[1]"),
         ([sample([1, 2], [2])], {}, "samples[0].loss_fn_inputs.target_tokens"),
         ([sample([1, 2], [2, 3], advantages=[1.0])], {}, "samples[0].loss_fn_inputs.advantages"),
         (

@@ -187,7 +187,13 @@ def _generator_check(body: SampleBody) -> list[list[int]]:
         ([[1, 2]] * 3, 2, 8, "num_samples", "max_batch_size 4 of tiny"),
         ([[1, 2]] * 5, 1, 8, "model_inputs", "max_batch_size 4 of tiny"),
         ([[1, 2, 3]] * 2, 2, 8, "sampling_params.max_tokens", "max_tokens_per_call 40 of tiny"),
-        ([[1, 2], [3, -4]], 1, 4, "model_inputs[1].chunks[1]", "negative token id -4"),
+        (
+            [[1, 2], [3, -4]],
+            1,
+            4,
+            "model_inputs[1].chunks[0].encoded_text.tokens[1]",
+            "negative token id -4",
+        ),
     ],
 )
 def test_sample_calls_are_checked_once_for_the_edge_and_the_engine(
@@ -216,7 +222,10 @@ def test_prompts_come_back_as_their_token_ids() -> None:
     )
     assert _generator_check(body) == [[5, 6], [7]]
     limits = Limits.of(ENTRY, vocab_size=VOCAB)
-    with pytest.raises(InputError, match=r"^model_inputs\[0\]\.chunks\[0\]: token id 128"):
+    with pytest.raises(
+        InputError,
+        match=r"^model_inputs\[0\]\.chunks\[0\]\.encoded_text\.tokens\[0\]: token id 128",
+    ):
         check_prompts([model_input([128])], 1, 1, 0, limits)
 
 

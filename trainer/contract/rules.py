@@ -3,11 +3,14 @@
 Each rule refuses with an `InputError` naming the field by the path its caller gives, so every
 face says it in its own names and nothing else differs:
 - the HTTP edge (`trainer.serving.requests`) runs them before an operation is queued, against
-  the model's limits, without the vocabulary (token ids are checked to be >= 0);
+  the model's limits and, once a resource of the model has loaded, its vocabulary (before
+  that, token ids are checked to be >= 0);
 - the engine (`trainer.compute.batch.prepare_samples`, the generator's `_check_prompts`) runs
   them again with the vocabulary, for callers that reach it without the edge;
-- the Tinker face (`trainer.api.tinker.convert`) runs those it can judge on the request alone,
-  under its names (`forward_backward_input.data[3]` for the RL face's `samples[3]`).
+- the Tinker face (`trainer.api.tinker.convert`) runs them, the vocabulary included, under its
+  names (`forward_backward_input.data[3]` for the RL face's `samples[3]`).
+
+A bad token id is named by its chunk and its place in it (`token_field`).
 
 Which inputs a loss reads, and their dtypes, come from the loss registry
 (`trainer.contract.losses`). Numpy only (no torch), so the edge can run every rule.
@@ -15,7 +18,7 @@ Which inputs a loss reads, and their dtypes, come from the loss registry
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence, Sized
+from collections.abc import Callable, Collection, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -39,12 +42,15 @@ class Tensor(Protocol):
 
 
 class Tokens(Protocol):
-    """A model input (`ModelInput`): its token ids, listed or packed."""
+    """A model input (`ModelInput`): its token ids, listed or packed, and how many each of its
+    chunks holds."""
 
     @property
     def tokens(self) -> list[int]: ...
 
     def token_array(self) -> IntArray: ...
+
+    def chunk_lengths(self) -> list[int]: ...
 
 
 class SampleLike(Protocol):
@@ -128,12 +134,20 @@ class Needs:
 
 
 def check_finite(values: Sequence[float] | NumArray, field: str) -> None:
-    """`{field}[k]: is not finite` for the first NaN or infinity (integer arrays always pass)."""
+    """`{field}[k]: is not finite` for the first NaN or infinity, in the values sent or once
+    they are float32 (as every float input and gradient is computed with): 1e39 is refused too.
+    Integer arrays always pass."""
     array = np.asarray(values)
     if array.dtype.kind not in "iu":
         array = array.astype(np.float64, copy=False)
         if (k := first(~np.isfinite(array))) is not None:
             raise InputError(f"{field}[{k}]", "is not finite")
+        with np.errstate(over="ignore"):
+            narrowed = array.astype(np.float32)
+        if (k := first(~np.isfinite(narrowed))) is not None:
+            raise InputError(
+                f"{field}[{k}]", f"{float(array[k])!r} is not finite in float32 (|x| over 3.4e38)"
+            )
 
 
 def token_values(model_input: Tokens) -> IntArray | list[int]:
@@ -146,10 +160,13 @@ def token_values(model_input: Tokens) -> IntArray | list[int]:
 
 
 def check_ids(
-    values: Sequence[int] | NumArray, field: str, vocab_size: int | None = None
+    values: Sequence[int] | NumArray,
+    field: str | Callable[[int], str],
+    vocab_size: int | None = None,
 ) -> IntArray:
     """Token ids as a fresh int64 array (never aliasing the request). `{field}[k]` names the
-    first that is negative or, with a vocabulary, not below `vocab_size`."""
+    first that is negative or, with a vocabulary, not below `vocab_size` (`field(k)` where
+    `field` maps a position to its name)."""
     try:
         ids = np.array(values, dtype=np.int64)
     except OverflowError:  # a Python int past int64: negative ones stay negative
@@ -157,10 +174,24 @@ def check_ids(
     bad = first(ids < 0) if vocab_size is None else first((ids < 0) | (ids >= vocab_size))
     if bad is not None:
         value = values[bad]
+        where = field(bad) if callable(field) else f"{field}[{bad}]"
         if vocab_size is None:
-            raise InputError(f"{field}[{bad}]", f"negative token id {value}")
-        raise InputError(f"{field}[{bad}]", f"token id {value} out of range [0, {vocab_size})")
+            raise InputError(where, f"negative token id {value}")
+        raise InputError(where, f"token id {value} out of range [0, {vocab_size})")
     return ids
+
+
+def token_field(model_input: Tokens, field: str) -> Callable[[int], str]:
+    """Position k of the model input's tokens -> its field,
+    `{field}.chunks[j].encoded_text.tokens[i]` (token i of chunk j)."""
+    ends = np.cumsum(model_input.chunk_lengths())
+
+    def name(k: int) -> str:
+        j = int(np.searchsorted(ends, k, side="right"))
+        start = int(ends[j - 1]) if j else 0
+        return f"{field}.chunks[{j}].encoded_text.tokens[{k - start}]"
+
+    return name
 
 
 def check_has_tokens(count: int, field: str) -> None:
@@ -183,15 +214,26 @@ def check_count(count: int, limits: Limits, field: str = "samples") -> None:
         )
 
 
-def check_model_input(tokens: Sequence[int] | NumArray, field: str, limits: Limits) -> IntArray:
+def check_model_input(
+    tokens: Sequence[int] | NumArray,
+    field: str,
+    limits: Limits,
+    model_input: Tokens | None = None,
+) -> IntArray:
     """A sample's tokens: some, at most `max_seq_length`, each id in range; a bad id is named
-    by its position, `{field}.chunks[k]`."""
+    by its chunk and place in it (`token_field`; `{field}.chunks[0].encoded_text.tokens[k]`
+    without the model input)."""
     check_has_tokens(len(tokens), field)
     if len(tokens) > limits.max_seq_length:
         raise InputError(
             field, f"{len(tokens)} tokens exceed max_seq_length {limits.max_seq_length}"
         )
-    return check_ids(tokens, f"{field}.chunks", limits.vocab_size)
+    where = (
+        token_field(model_input, field)
+        if model_input is not None
+        else f"{field}.chunks[0].encoded_text.tokens"
+    )
+    return check_ids(tokens, where, limits.vocab_size)
 
 
 def _missing(field: str, by: str | None, reason: str = "") -> InputError:
@@ -270,7 +312,8 @@ def check_samples(
         )
     checked = []
     for i, sample in enumerate(samples):
-        ids = check_model_input(tokens[i], f"samples[{i}].model_input", limits)
+        field = f"samples[{i}].model_input"
+        ids = check_model_input(tokens[i], field, limits, sample.model_input)
         targets = check_inputs(
             f"samples[{i}]", len(ids), sample.loss_fn_inputs, needs, limits.vocab_size
         )
@@ -346,7 +389,7 @@ def check_prompts(
     for i, values in enumerate(tokens):
         field = f"model_inputs[{i}]"
         check_has_tokens(len(values), field)
-        ids = check_ids(values, f"{field}.chunks", limits.vocab_size)
+        ids = check_ids(values, token_field(model_inputs[i], field), limits.vocab_size)
         if len(ids) + max_tokens > limits.max_seq_length:
             raise InputError(
                 field,

@@ -132,6 +132,12 @@ class ModelInput(Spec):
         parts = [as_int64(chunk.encoded_text.tokens) for chunk in self.chunks if chunk.encoded_text]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
+    def chunk_lengths(self) -> list[int]:
+        """How many tokens each chunk holds, in order."""
+        return [
+            len(chunk.encoded_text.tokens) if chunk.encoded_text else 0 for chunk in self.chunks
+        ]
+
 
 class Sample(Spec):
     model_input: ModelInput

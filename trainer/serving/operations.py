@@ -59,7 +59,8 @@ class Operation:
     method: str  # the engine session's method (and the SPMD command's `op`)
     args: Callable[[Any], dict[str, Any]] = _no_args  # validated body -> keyword arguments
     wire: Callable[[Callable[[], Any]], dict[str, Any]] = _as_is  # runs the call, shapes it
-    check: Callable[[Any, ModelEntry], None] | None = None  # limits of the model, as a 400
+    # limits of the model and, where known, its vocabulary, as a 400
+    check: Callable[[Any, ModelEntry, int | None], None] | None = None
     # the resource's optimizer_config, as a 400 (params of the other optimizer)
     check_optimizer: Callable[[Any, dict[str, Any]], None] | None = None
 
@@ -134,19 +135,33 @@ METHODS: dict[str, Operation] = {op.method: op for op in OPERATIONS.values()}
 assert set(METHODS) == set(TrainingSession.OPERATIONS), "the table must cover the engine's ops"
 
 
+def vocab_size_of(worker: Worker, base_model: str) -> int | None:
+    """The vocabulary of `base_model` where a loaded resource serves it; None while none has
+    loaded (the engine then checks the ids)."""
+    with worker.resources.lock:
+        lives = list(worker.resources.live.values())
+    for live in lives:
+        size = getattr(live.engine, "vocab_size", None)
+        if live.entry.name == base_model and isinstance(size, int):
+            return size
+    return None
+
+
 def validated_call(
     spec: Operation,
     body: dict[str, Any],
     entry: ModelEntry,
     optimizer_config: dict[str, Any] | None = None,
+    vocab_size: int | None = None,
 ) -> EngineCall:
-    """A body checked against its model and type, turned into the call the worker queues."""
+    """A body checked against its model (and vocabulary, where known) and type, turned into
+    the call the worker queues."""
     try:
         parsed = spec.body.model_validate(body)
     except ValidationError as exc:
         raise from_pydantic(exc) from None
     if spec.check is not None:
-        spec.check(parsed, entry)
+        spec.check(parsed, entry, vocab_size)
     if spec.check_optimizer is not None:
         spec.check_optimizer(parsed, optimizer_config or {"adam": {}})
     return spec.call(parsed)
@@ -168,4 +183,4 @@ def prepare_call(
     if entry is None:
         raise bad_request("the session's base model is no longer served", "session_id")
     config = resource.spec.get("optimizer_config") if resource is not None else None
-    return validated_call(spec, body, entry, config)
+    return validated_call(spec, body, entry, config, vocab_size_of(worker, entry.name))

@@ -3,9 +3,9 @@
 The shapes are the SDK's (`together.types.post_training.*_params`); the pieces they share with
 the engine (samples, losses, optimizer and sampling knobs) come from `trainer.contract`. The
 checks of their content against the model's limits are the rulebook's
-(`trainer.contract.rules`, here without the vocabulary); they run before an operation is
-queued (`check_forward_backward`, `check_custom`, `check_sample`), so a bad batch is a 400 and
-never touches the session.
+(`trainer.contract.rules`, with the vocabulary once a resource of the model has loaded); they
+run before an operation is queued (`check_forward_backward`, `check_custom`, `check_sample`),
+so a bad batch is a 400 and never touches the session.
 """
 
 from __future__ import annotations
@@ -163,28 +163,36 @@ def _as_400() -> Iterator[None]:
         raise bad_request(exc.message, exc.field) from None
 
 
-def check_forward_backward(body: ForwardBackwardBody, entry: ModelEntry) -> None:
-    """The samples against the model's limits and what the loss reads (`LOSS_SPECS`: its
-    inputs and the rules its params bring), as a 400 naming the field."""
+def check_forward_backward(
+    body: ForwardBackwardBody, entry: ModelEntry, vocab_size: int | None = None
+) -> None:
+    """The samples against the model's limits (token ids against its vocabulary where it is
+    known) and what the loss reads (`LOSS_SPECS`: its inputs and the rules its params bring),
+    as a 400 naming the field."""
     loss = body.loss
+    needs = Needs.of_loss(loss.type, loss.params())
     with _as_400():
-        check_samples(body.samples, Limits.of(entry), Needs.of_loss(loss.type, loss.params()))
+        check_samples(body.samples, Limits.of(entry, vocab_size), needs)
 
 
-def check_custom(body: CustomForwardBackwardBody, entry: ModelEntry) -> None:
+def check_custom(
+    body: CustomForwardBackwardBody, entry: ModelEntry, vocab_size: int | None = None
+) -> None:
+    needs = Needs(by="custom-forward-backward")
     with _as_400():
-        check_samples(body.samples, Limits.of(entry), Needs(by="custom-forward-backward"))
+        check_samples(body.samples, Limits.of(entry, vocab_size), needs)
 
 
-def check_sample(body: SampleBody, entry: ModelEntry) -> None:
-    """Sequence count, `max_tokens` and the call's token total against the model's limits."""
+def check_sample(body: SampleBody, entry: ModelEntry, vocab_size: int | None = None) -> None:
+    """Sequence count, `max_tokens`, the call's token total and the prompts' token ids against
+    the model's limits (and its vocabulary, where it is known)."""
     with _as_400():
         check_prompts(
             body.model_inputs,
             body.num_samples,
             body.sampling_params.max_tokens,
             body.topk_prompt_logprobs,
-            Limits.of(entry),
+            Limits.of(entry, vocab_size),
         )
 
 

@@ -14,6 +14,7 @@ import numpy as np
 from trainer.api.tinker.convert_inputs import (
     TinkerInputError,
     as_tinker,
+    flag,
     integer,
     number,
     tensor_values,
@@ -132,13 +133,18 @@ def _tinker_loss(fbi: Mapping[str, Any]) -> tuple[str, _TinkerLoss]:
     return loss_fn, _TINKER_LOSSES[loss_fn]
 
 
-def forward_backward_body(fbi: dict[str, Any], forward_only: bool) -> dict[str, Any]:
+def forward_backward_body(
+    fbi: dict[str, Any], forward_only: bool, vocab_size: int | None = None
+) -> dict[str, Any]:
     """Tinker's `forward_backward_input` -> the body of our `forward-backward` operation.
 
     `fbi` is `{"data": [Datum], "loss_fn": str, "loss_fn_config": dict | None}` as JSON or as
-    `proto.decode_forward_backward_request` returns it. The body asks for per-token logprobs at
-    every position (`logprobs_unmasked`). Raises `TinkerInputError` naming the field.
+    `proto.decode_forward_backward_request` returns it; token ids (model inputs and target
+    tokens) are checked against `vocab_size` where it is known. The body asks for per-token
+    logprobs at every position (`logprobs_unmasked`). Raises `TinkerInputError` naming the
+    field (`forward_only` too: a JSON boolean).
     """
+    forward_only = flag(forward_only, "forward_only")
     if not isinstance(fbi, Mapping):
         raise TinkerInputError(FBI, "must be an object")
     loss_fn, tinker = _tinker_loss(fbi)
@@ -147,7 +153,9 @@ def forward_backward_body(fbi: dict[str, Any], forward_only: bool) -> dict[str, 
     if not isinstance(data, list) or not data:
         raise TinkerInputError(f"{FBI}.data", "must be a non-empty list of datums")
     needs = Needs.of_loss(tinker.loss_type, params, by=f"loss {loss_fn}")
-    datums = [_datum(d, f"{FBI}.data[{i}]", needs, tinker) for i, d in enumerate(data)]
+    datums = [
+        _datum(d, f"{FBI}.data[{i}]", _Reads(needs, tinker, vocab_size)) for i, d in enumerate(data)
+    ]
     if loss_fn == "gspo":
         _gspo_inputs(datums)
     samples = []
@@ -165,13 +173,21 @@ def forward_backward_body(fbi: dict[str, Any], forward_only: bool) -> dict[str, 
     return {
         "loss": loss,
         "samples": samples,
-        "forward_only": bool(forward_only),
+        "forward_only": forward_only,
         "return_loss_fn_outputs": True,
         "logprobs_unmasked": True,
     }
 
 
 _DATUM_KEYS = {"model_input", "loss_fn_inputs", "model_input_spans", "loss_fn_input_spans"}
+
+
+class _Reads(NamedTuple):
+    """What every datum of a call is read against: its loss's needs, and the vocabulary."""
+
+    needs: Needs
+    tinker: _TinkerLoss
+    vocab_size: int | None
 
 
 class _Parsed(NamedTuple):
@@ -181,17 +197,16 @@ class _Parsed(NamedTuple):
     data: np.ndarray
 
 
-def _datum(
-    datum: Any, where: str, needs: Needs, tinker: _TinkerLoss
-) -> tuple[list[int], dict[str, np.ndarray]]:
+def _datum(datum: Any, where: str, call: _Reads) -> tuple[list[int], dict[str, np.ndarray]]:
     """One datum's tokens and its loss inputs, as arrays (int64 ids, float64 the rest), checked
     by the engine's rules (`check_inputs`) under the datum's Tinker path."""
+    needs, tinker = call.needs, call.tinker
     if not isinstance(datum, Mapping):
         raise TinkerInputError(where, "must be an object")
     for key in datum:
         if key not in _DATUM_KEYS:
             raise TinkerInputError(f"{where}.{key}", "is not a Datum field")
-    tokens = token_ids(datum.get("model_input"), f"{where}.model_input")
+    tokens = token_ids(datum.get("model_input"), f"{where}.model_input", call.vocab_size)
     raw = datum.get("loss_fn_inputs") or {}
     if not isinstance(raw, Mapping):
         raise TinkerInputError(f"{where}.loss_fn_inputs", "must be an object")
@@ -210,7 +225,7 @@ def _datum(
         elif tinker.ones and name in needs.required:
             inputs[name] = _Parsed("float32", np.ones(len(tokens)))
     with as_tinker():
-        targets = check_inputs(where, len(tokens), inputs, needs)
+        targets = check_inputs(where, len(tokens), inputs, needs, call.vocab_size)
     values = {name: parsed.data for name, parsed in inputs.items()}
     return tokens, {**values, "target_tokens": targets}
 
@@ -344,8 +359,9 @@ _SAMPLE_OFF = {
 _SAMPLING_KEYS = ("max_tokens", "seed", "temperature", "top_k", "top_p")
 
 
-def sample_body(req: dict[str, Any]) -> dict[str, Any]:
-    """Tinker's `SampleRequest` -> the body of our `sample` operation (one prompt).
+def sample_body(req: dict[str, Any], vocab_size: int | None = None) -> dict[str, Any]:
+    """Tinker's `SampleRequest` -> the body of our `sample` operation (one prompt), its token
+    ids checked against `vocab_size` where it is known.
 
     `stop`: a string or strings stop on text, token ids on those tokens
     (`stop_token_ids`); None keeps the EOS stop. `[]` (no EOS stop) is refused, as are the
@@ -360,20 +376,26 @@ def sample_body(req: dict[str, Any]) -> dict[str, Any]:
     for key, off in _SAMPLE_OFF.items():
         if req.get(key) not in (off, None, False):
             raise TinkerInputError(key, "is not supported by this worker")
-    tokens = token_ids(req.get("prompt"), "prompt")
+    tokens = token_ids(req.get("prompt"), "prompt", vocab_size)
     num_samples = integer(req.get("num_samples", 1), "num_samples")
     with as_tinker():
         check_num_samples(num_samples)
-    topk = integer(req.get("topk_prompt_logprobs") or 0, "topk_prompt_logprobs")
+    topk = integer(_given(req, "topk_prompt_logprobs", 0), "topk_prompt_logprobs")
     with as_tinker():
         check_topk(topk)
     return {
         "model_inputs": [{"chunks": [{"encoded_text": {"tokens": tokens}}]}],
         "num_samples": num_samples,
         "sampling_params": _sampling_params(req.get("sampling_params")),
-        "prompt_logprobs": bool(req.get("prompt_logprobs")),
+        "prompt_logprobs": flag(_given(req, "prompt_logprobs", False), "prompt_logprobs"),
         "topk_prompt_logprobs": topk,
     }
+
+
+def _given(req: Mapping[str, Any], key: str, default: Any) -> Any:
+    """`req[key]`, or `default` where it is absent or null."""
+    value = req.get(key)
+    return default if value is None else value
 
 
 def _sampling_params(raw: Any) -> dict[str, Any]:

@@ -65,14 +65,22 @@ def number(value: Any, field: str) -> float:
     return float(value)
 
 
+def flag(value: Any, field: str) -> bool:
+    """A JSON boolean: "no", 0 and 1 are refused, not read as true or false."""
+    if not isinstance(value, bool):
+        raise TinkerInputError(field, f"must be a boolean (true or false), got {str(value)[:100]}")
+    return value
+
+
 def integer(value: Any, field: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise TinkerInputError(field, f"must be an integer, got {value!r}")
     return int(value)
 
 
-def token_ids(model_input: Any, field: str) -> list[int]:
-    """A Tinker `ModelInput` (`{"chunks": [...]}`) as its token ids; only text chunks."""
+def token_ids(model_input: Any, field: str, vocab_size: int | None = None) -> list[int]:
+    """A Tinker `ModelInput` (`{"chunks": [...]}`) as its token ids; only text chunks, each id
+    below `vocab_size` where it is known (else only not negative)."""
     if not isinstance(model_input, Mapping) or not isinstance(model_input.get("chunks"), list):
         raise TinkerInputError(field, "must be an object with a list of chunks")
     tokens: list[int] = []
@@ -95,7 +103,8 @@ def token_ids(model_input: Any, field: str) -> list[int]:
         if array.size and (array.ndim != 1 or array.dtype.kind not in "iu"):
             raise TinkerInputError(f"{where}.tokens", "must be a flat list of integer token ids")
         with as_tinker():
-            tokens.extend(check_ids(array.astype(np.int64), f"{where}.tokens").tolist())
+            ids = check_ids(array.astype(np.int64), f"{where}.tokens", vocab_size)
+        tokens.extend(ids.tolist())
     with as_tinker():
         check_has_tokens(len(tokens), field)
     return tokens

@@ -41,6 +41,7 @@ from trainer.api.tinker.routes import (
 from trainer.api.tinker.sampling import new_sampler
 from trainer.serving.bodies import too_large
 from trainer.serving.errors import bad_request, not_found
+from trainer.serving.operations import vocab_size_of
 
 router = APIRouter()
 
@@ -107,11 +108,13 @@ async def forward_backward(request: Request) -> dict[str, Any]:
     fbi = req.get("forward_backward_input")
     if not isinstance(fbi, dict):
         raise bad_request("forward_backward_input: required (an object)", "forward_backward_input")
-    forward_only = bool(req.get("forward_only", False))
+    forward_only = req.get("forward_only", False)
+    vocab = vocab_size_of(bridge.worker, model.base_model)
     try:
-        body = await run_in_threadpool(convert.forward_backward_body, fbi, forward_only)
+        body = await run_in_threadpool(convert.forward_backward_body, fbi, forward_only, vocab)
     except convert.TinkerInputError as exc:
         raise input_error(exc) from None
+    forward_only = body["forward_only"]
     call = await run_in_threadpool(bridge.prepare, model.session_id, "forward-backward", body)
     kind = "Forward" if forward_only else "ForwardBackward"
     loss_fn = str(fbi.get("loss_fn", ""))

@@ -34,7 +34,7 @@ from trainer.api.tinker.routes import (
 )
 from trainer.serving.catalogue import SES_RUNNING, SessionRow
 from trainer.serving.errors import ApiError, bad_request, not_found
-from trainer.serving.operations import OPERATIONS, validated_call
+from trainer.serving.operations import OPERATIONS, validated_call, vocab_size_of
 from trainer.serving.worker import EngineCall
 
 router = APIRouter()
@@ -197,7 +197,8 @@ async def get_sampler(request: Request, sampler_id: str) -> dict[str, Any]:
 
 def _prepare_sample(bridge: TinkerBridge, base_model: str, body: dict[str, Any]) -> EngineCall:
     try:
-        return validated_call(OPERATIONS["sample"], body, bridge.entry(base_model))
+        vocab = vocab_size_of(bridge.worker, base_model)
+        return validated_call(OPERATIONS["sample"], body, bridge.entry(base_model), None, vocab)
     except ApiError as exc:
         raise tinker_named("sample", exc) from None
 
@@ -224,7 +225,7 @@ async def asample(request: Request) -> dict[str, Any]:
             "sampling_session_id: set it, or model_path / base_model", "sampling_session_id"
         )
     try:
-        body = convert.sample_body(req)
+        body = convert.sample_body(req, vocab_size_of(bridge.worker, sampler.base_model))
     except convert.TinkerInputError as exc:
         raise input_error(exc) from None
     call = await run_in_threadpool(_prepare_sample, bridge, sampler.base_model, body)
