@@ -287,11 +287,13 @@ def test_malformed_bodies_are_4xx_naming_the_field(
         if field:
             assert (error["param"] or "").startswith(field), (field, error)
             assert field.split(".")[0] in error["message"]
-    # Input only the engine can judge fails the operation with INVALID_INPUT, naming the field.
-    out_of_vocab = run_op(http, sid, "forward-backward", _fb([ce_sample([1, 2, 100000])]))
-    assert out_of_vocab["status"] == TERMINAL[1]
-    assert out_of_vocab["error"]["code"] == "TRAINING_OPERATION_ERROR_CODE_INVALID_INPUT"
-    assert "samples[0]" in out_of_vocab["error"]["message"]
+    # A token id past the vocabulary of the loaded model is refused at the door too.
+    url = f"/rl/training-sessions/{sid}/operations/forward-backward"
+    out_of_vocab = http.post(
+        url, json=_fb([ce_sample([1, 2, 100000])]), headers={"Idempotency-Key": str(uuid.uuid4())}
+    )
+    assert out_of_vocab.status_code == 400, out_of_vocab.text
+    assert out_of_vocab.json()["error"]["param"] == "samples[0].loss_fn_inputs.target_tokens[1]"
     # Nothing above touched the session: same step, same weights, no stray gradients.
     assert http.get(f"/rl/training-sessions/{sid}").json()["step"] == before_step
     assert logprobs(http, sid) == before
