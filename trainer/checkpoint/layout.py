@@ -141,7 +141,9 @@ def read_state(path: Path) -> dict[str, Any]:
 
 
 def lora_config_of(state: dict[str, Any]) -> LoraConfig:
-    return LoraConfig(**state["lora_config"]) if state["lora_config"] else LoraConfig()
+    # a file's values, not a request's: read as leniently as when they were written
+    config = state["lora_config"]
+    return LoraConfig.model_validate(config, strict=False) if config else LoraConfig()
 
 
 def write_inference(policy: Policy, out: Path, tokenizer: Any, source: Any = None) -> None:
@@ -264,12 +266,13 @@ def read_directory(source: Path, adapter: bool) -> tuple[LoraConfig, dict[str, t
     raw = json.loads((source / "adapter_config.json").read_text())
     targets = raw.get("target_modules")
     names = [targets] if isinstance(targets, str) else list(targets or [])
-    config = LoraConfig(
-        rank=raw["r"],
-        alpha=raw["lora_alpha"],
-        dropout=raw.get("lora_dropout", 0.0),
-        train_unembed="lm_head" in names,
-    )
+    fields = {
+        "rank": raw["r"],
+        "alpha": raw["lora_alpha"],
+        "dropout": raw.get("lora_dropout", 0.0),
+        "train_unembed": "lm_head" in names,
+    }
+    config = LoraConfig.model_validate(fields, strict=False)  # PEFT may write 16.0 for 16
     return config, load_file(str(source / "adapter_model.safetensors"))
 
 

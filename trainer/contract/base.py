@@ -6,9 +6,12 @@ from pydantic import BaseModel, ConfigDict
 
 
 class Spec(BaseModel):
-    """Base for wire objects: unknown fields are ignored (the SDK may send newer ones)."""
+    """Base for wire objects: unknown fields are ignored (the SDK may send newer ones), and
+    types are strict: a boolean is a JSON boolean and a number a JSON number ("1", "yes", 1
+    for true and 1.5 for an integer are refused). The int64 fields protobuf's JSON sends as
+    decimal strings take them through `trainer.contract.values.IntLike`."""
 
-    model_config = ConfigDict(extra="ignore", frozen=False, populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", frozen=False, populate_by_name=True, strict=True)
 
 
 class StrictSpec(BaseModel):

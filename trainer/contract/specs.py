@@ -85,10 +85,17 @@ class TensorData(Spec):
         elif self.dtype == "int64":
             self.data = [_token_id(i, value) for i, value in enumerate(self.data)]
         else:
-            floats: list[float | int | str] = [float(value) for value in self.data]
+            floats: list[float | int | str] = [_float_value(i, v) for i, v in enumerate(self.data)]
             check_finite(np.asarray(floats, dtype=np.float64), "data")
             self.data = floats
         return self
+
+
+def _float_value(i: int, value: float | int | str) -> float:
+    """One float32 value of a listed `TensorData`: a JSON number, never a string."""
+    if isinstance(value, str):
+        raise ValueError(f"data[{i}] = {value[:40]!r} is a string; float32 values are numbers")
+    return float(value)
 
 
 def _token_id(i: int, value: float | int | str) -> int | str:
