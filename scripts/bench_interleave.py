@@ -17,6 +17,14 @@ Then `--batch-sessions` sessions each sample `--batch-tokens` tokens at once, ea
 thread: one generation batch (`[engine] batch_samples` on,
 `trainer/engine/batching/sample_batch.py`) vs one
 generation per session taking turns on the lock (off); wall time until all are done.
+
+Then the coupling of batched samples: session 1 samples `--long-rows` x `--long-tokens` tokens
+while session 2 samples `--short-tokens` tokens, both with `batch_samples` on. Two arms: sent at
+once (one generation batch: the short sample returns once its own rows are done) and sent
+`--delay` s after the long one took the lock (a generation of its own, taking turns with it);
+the short sample's latency against its solo time. `--coupling-only` runs this part alone:
+
+    python scripts/bench_interleave.py --coupling-only --long-rows 16 --long-tokens 400
 """
 
 from __future__ import annotations
@@ -82,6 +90,38 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - start
 
 
+def coupling(
+    resource: ModelResource, long: Any, short: Any, args: argparse.Namespace
+) -> dict[str, float]:
+    """A short sample next to a long batched one (the module docstring): medians in seconds."""
+    prompt = [model_input([2, 3, 4])]
+    big = SamplingParams(max_tokens=args.long_tokens, seed=0)
+    small = SamplingParams(max_tokens=args.short_tokens, seed=1)
+    for session in (long, short):
+        session.options = EngineOptions(decode_steps_per_turn=args.steps_per_turn)
+
+    def run_long() -> float:
+        return _timed(lambda: long.sample(prompt, num_samples=args.long_rows, sampling_params=big))
+
+    def run_short() -> float:
+        return _timed(lambda: short.sample(prompt, sampling_params=small))
+
+    times: dict[str, list[float]] = {"short_alone": [], "together": [], "later": [], "long": []}
+    with ThreadPoolExecutor(1) as first, ThreadPoolExecutor(1) as second:
+        for _ in range(args.runs):
+            times["short_alone"].append(second.submit(run_short).result())
+            job, quick = first.submit(run_long), second.submit(run_short)
+            times["together"].append(quick.result())
+            times["long"].append(job.result())
+            job = first.submit(run_long)
+            while not resource.lock.locked():
+                time.sleep(0.0005)
+            time.sleep(args.delay)
+            times["later"].append(second.submit(run_short).result())
+            job.result()
+    return {f"coupled_{name}_s": statistics.median(values) for name, values in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=1536, help="tokens session 1 samples")
@@ -90,13 +130,18 @@ def main() -> None:
     parser.add_argument("--delay", type=float, default=0.1, help="s after the sample starts")
     parser.add_argument("--batch-sessions", type=int, default=4, help="sessions sampling at once")
     parser.add_argument("--batch-tokens", type=int, default=256, help="tokens each of them samples")
+    parser.add_argument("--long-rows", type=int, default=64, help="rows of the long sample")
+    parser.add_argument("--long-tokens", type=int, default=1500, help="its tokens per row")
+    parser.add_argument("--short-tokens", type=int, default=2, help="tokens of the short sample")
+    parser.add_argument("--coupling-only", action="store_true", help="only the coupling rows")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
-        spec = TinySpec(vocab=VOCAB, eos=None, max_positions=args.tokens + 64)
+        positions = max(args.tokens, args.long_tokens) + 64
+        spec = TinySpec(vocab=VOCAB, eos=None, max_positions=positions)
         model_dir = save_model(spec, Path(tmp, "model"))
-        entry = ModelEntry(name="demo", location=str(model_dir), max_seq_length=args.tokens + 64)
+        entry = ModelEntry(name="demo", location=str(model_dir), max_seq_length=positions)
         resource = ModelResource(
             entry,
             ResourceSpec(
@@ -114,6 +159,9 @@ def main() -> None:
             session.forward_backward(CE, batch)
             session.optim_step(AdamParams(learning_rate=0.01))
             session.weights_sync("WEIGHT_SYNC_TYPE_SYNCHRONOUS")
+        if args.coupling_only:
+            _report_coupling(coupling(resource, s1, s2, args), args)
+            return
         prompt = [model_input([2, 3, 4])]
         params = SamplingParams(max_tokens=args.tokens, seed=0)
         arms = {"on": args.steps_per_turn, "off": 0}
@@ -175,6 +223,7 @@ def main() -> None:
                     for job in jobs:
                         job.result()
                     walls[arm].append(time.perf_counter() - start)
+        coupled = coupling(resource, s1, s2, args)
 
     med = statistics.median
     figures = {
@@ -216,6 +265,20 @@ def main() -> None:
     )
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
+    _report_coupling(coupled, args)
+
+
+def _report_coupling(figures: dict[str, float], args: argparse.Namespace) -> None:
+    print(
+        f"a {args.short_tokens}-token sample next to a {args.long_rows} x {args.long_tokens}-token "
+        f"sample (medians of {args.runs} runs, turns every {args.steps_per_turn} steps): "
+        f"alone {figures['coupled_short_alone_s']:.3f} s, sent at once "
+        f"{figures['coupled_together_s']:.3f} s, sent {args.delay} s in "
+        f"{figures['coupled_later_s']:.3f} s; the long sample {figures['coupled_long_s']:.3f} s"
+    )
+    if args.json:
+        path = args.json.with_suffix(".coupling.json")
+        path.write_text(json.dumps(figures, indent=2) + "\n")
 
 
 if __name__ == "__main__":

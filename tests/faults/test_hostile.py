@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from tests.faults.procs import (
     new_resource,
     new_session,
     output,
+    run_op,
     terminate,
 )
 
@@ -259,3 +261,53 @@ def test_token_never_in_debug_logs(tiny_qwen_dir: Path, tmp_path: Path) -> None:
     assert "DEBUG" in text and "/v1/rl/checkpoints" in text, "DEBUG logging was on"
     assert TOKEN not in text and TOKEN[:-1] not in text
     assert "sig=<redacted>" in text and not re.search(r"sig=[0-9a-f]{16}", text)
+
+
+def test_a_nan_neighbour_fails_only_its_own_samples(tiny_qwen_dir: Path, tmp_path: Path) -> None:
+    """Over HTTP with the defaults (samples of one resource's sessions batched): an absurd
+    learning rate is a 400 naming it; a session whose published adapter is NaN fails its
+    samples with NON_FINITE_LOSS while four neighbours sampling at the same time get the
+    tokens they get alone."""
+    with (
+        serve_in_thread(tmp_path / "storage", {"tiny-qwen": tiny_qwen_dir}) as live,
+        live.client() as http,
+    ):
+        rid = new_resource(http, "tiny-qwen")
+        sids = [new_session(http, rid, lora_config={"rank": 4, "seed": i}) for i in range(5)]
+        for sid in sids:
+            output(http, sid, "forward-backward", {"loss": CE, "samples": [ce_sample(_seq(9))]})
+            output(http, sid, "optim-step", {"adam_params": {"learning_rate": 1e-2}})
+            output(http, sid, "weights-sync", {"weight_sync_type": "WEIGHT_SYNC_TYPE_SYNCHRONOUS"})
+        hostile, neighbours = sids[0], sids[1:]
+        response = http.post(
+            f"/rl/training-sessions/{hostile}/operations/optim-step",
+            json={"adam_params": {"learning_rate": 1e30}},
+            headers={"Idempotency-Key": str(uuid.uuid4())},
+        )
+        assert response.status_code == 400 and "learning_rate" in response.text, response.text
+
+        def body(i: int) -> dict[str, Any]:
+            sample = _sample_body(2, 2, 12)
+            sample["sampling_params"]["seed"] = 40 + i
+            return sample
+
+        alone = {sid: output(http, sid, "sample", body(i)) for i, sid in enumerate(sids)}
+        engine = live.worker.sessions[hostile].engine
+        for tensor in engine.policy.published_tensors().values():
+            tensor.detach().fill_(float("nan"))
+        with ThreadPoolExecutor(len(sids)) as pool:
+            ops = dict(zip(sids, pool.map(_sample_op, [live] * 5, sids, map(body, range(5)))))
+        assert ops[hostile]["status"] == "TRAINING_OPERATION_STATUS_FAILED", ops[hostile]
+        error = ops[hostile]["error"]
+        assert error["code"] == "TRAINING_OPERATION_ERROR_CODE_NON_FINITE_LOSS", error
+        assert "weights" in error["message"]
+        for sid in neighbours:
+            assert ops[sid]["status"] == "TRAINING_OPERATION_STATUS_COMPLETED", ops[sid]
+            got = [[s["tokens"] for s in r["sequences"]] for r in ops[sid]["output"]["results"]]
+            want = [[s["tokens"] for s in r["sequences"]] for r in alone[sid]["results"]]
+            assert got == want
+
+
+def _sample_op(live: Any, sid: str, body: dict[str, Any]) -> dict[str, Any]:
+    with live.client() as http:  # a client of its own, as separate tenants have
+        return run_op(http, sid, "sample", body)

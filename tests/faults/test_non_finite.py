@@ -60,6 +60,8 @@ OVERFLOWS: list[tuple[str, str, dict[str, Any]]] = [
         "forward-backward",
         {"loss": {"type": "LOSS_TYPE_IMPORTANCE_SAMPLING"}, "samples": [_policy_sample(-100.0)]},
     ),
+    # an update that overflows every weight: the step is undone
+    ("update", "optim-step", {"adam_params": {"learning_rate": 100.0, "weight_decay": 1e300}}),
 ]
 
 

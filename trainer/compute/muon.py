@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr
 
-from trainer.compute.optim import clip_global, new_adamw, set_adam_knobs
+from trainer.compute.optim import all_or_nothing, clip_global, new_adamw, set_adam_knobs
 from trainer.contract.muon_params import MuonParams
 from trainer.contract.optimizer import ADJUST_LR_FN
 
@@ -186,11 +186,13 @@ def muon_step(
     comm: Communicator,
 ) -> dict[str, float]:
     """One global clip over every tensor (`muon_params.grad_clip_norm`), then Muon and AdamW
-    with this call's knobs, then zero gradients. NON_FINITE_LOSS before any weight moves."""
-    norm = clip_global(params, muon.grad_clip_norm, comm)
-    clipped = min(norm, muon.grad_clip_norm) if muon.grad_clip_norm > 0 else norm
-    optimizer.set_knobs(muon)
-    optimizer.step()
+    with this call's knobs, then zero gradients. NON_FINITE_LOSS, and nothing moves, when the
+    norm or the update is not finite (`all_or_nothing`)."""
+    with all_or_nothing(optimizer, params, comm):
+        norm = clip_global(params, muon.grad_clip_norm, comm)
+        clipped = min(norm, muon.grad_clip_norm) if muon.grad_clip_norm > 0 else norm
+        optimizer.set_knobs(muon)
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return {
         "grad_norm": norm,

@@ -10,7 +10,9 @@ is `torch.nn.utils.get_total_norm`, so one process computes exactly what torch d
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -103,6 +105,69 @@ def set_adam_knobs(optimizer: torch.optim.Optimizer, adam: AdamParams) -> None:
         )
 
 
+class _Saved:
+    """Copies of this rank's part of the weights, gradients and optimizer state of a step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
+        self.optimizer, self.params = optimizer, params
+        with torch.no_grad():
+            self.weights = [local_part(p.detach()).clone() for p in params]
+            self.grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
+            self.state = {
+                p: {
+                    k: v.clone() if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()
+                }
+                for p in params
+                if p in optimizer.state
+            }
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for param, weights, grad in zip(self.params, self.weights, self.grads, strict=True):
+                local_part(param.detach()).copy_(weights)
+                param.grad = grad
+            for param in self.params:
+                if param in self.state:
+                    self.optimizer.state[param] = self.state[param]
+                else:
+                    self.optimizer.state.pop(param, None)
+
+    def all_finite(self, comm: Communicator) -> bool:
+        """Whether every rank's updated weights and optimizer state are finite. Collective."""
+        tensors = [local_part(p.detach()) for p in self.params]
+        for param in self.params:
+            values = self.optimizer.state.get(param, {}).values()
+            tensors += [local_part(v) for v in values if torch.is_tensor(v)]
+        bad = torch.zeros(1, dtype=torch.float64, device=comm.device)
+        for tensor in tensors:
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                bad += 1
+        return float(comm.sum_(bad)) == 0
+
+
+@contextlib.contextmanager
+def all_or_nothing(
+    optimizer: torch.optim.Optimizer, params: list[nn.Parameter], comm: Communicator
+) -> Iterator[None]:
+    """An optimizer step that is kept only when it raises nothing and leaves every weight and
+    optimizer state tensor finite; otherwise the weights, gradients and state go back to what
+    they were (NON_FINITE_LOSS for a non-finite update). Costs one copy of each. Collective."""
+    saved = _Saved(optimizer, params)
+    try:
+        yield
+        finite = saved.all_finite(comm)
+    except BaseException:
+        saved.restore()
+        raise
+    if not finite:
+        saved.restore()
+        raise OperationError(
+            "NON_FINITE_LOSS",
+            "the update would leave the weights or the optimizer state not finite "
+            "(the learning rate or weight decay is too large for them): the step was undone",
+        )
+
+
 def adamw_step(
     optimizer: torch.optim.Optimizer,
     params: list[nn.Parameter],
@@ -110,11 +175,13 @@ def adamw_step(
     comm: Communicator,
 ) -> dict[str, float]:
     """Global-norm clipping, then AdamW (decoupled decay) with this call's knobs, then zero
-    gradients. NON_FINITE_LOSS, before any weight moves, when the norm is not finite."""
-    norm = clip_global(params, adam.grad_clip_norm, comm)
-    clipped = min(norm, adam.grad_clip_norm) if adam.grad_clip_norm > 0 else norm
-    set_adam_knobs(optimizer, adam)
-    optimizer.step()
+    gradients. NON_FINITE_LOSS, and nothing moves, when the norm or the update is not finite
+    (`all_or_nothing`)."""
+    with all_or_nothing(optimizer, params, comm):
+        norm = clip_global(params, adam.grad_clip_norm, comm)
+        clipped = min(norm, adam.grad_clip_norm) if adam.grad_clip_norm > 0 else norm
+        set_adam_knobs(optimizer, adam)
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return {"grad_norm": norm, "grad_norm_clipped": clipped, "learning_rate": adam.learning_rate}
 

@@ -9,13 +9,14 @@ import contextlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
 
 from trainer.compute import moe_replay
 from trainer.compute.multilora import Segment, segmented
+from trainer.contract.errors import OperationError
 from trainer.contract.specs import SamplingParams
 
 STOP_LENGTH = "STOP_REASON_LENGTH"
@@ -56,6 +57,24 @@ class DecodeJob:
     @property
     def rows(self) -> int:
         return len(self.prompts) * self.num_samples
+
+
+class Report(Protocol):
+    """Told once per job of a generation (its index in `jobs`): its sequences grouped by prompt
+    as soon as all its rows are done, or the error that ended it (`error`, its groups partial)."""
+
+    def __call__(
+        self, job: int, groups: list[list[Sequence]], error: OperationError | None
+    ) -> None: ...
+
+
+def non_finite_logits() -> OperationError:
+    """A job's logits stopped being finite: its weights are (LoRA: its adapter is) broken."""
+    return OperationError(
+        "NON_FINITE_LOSS",
+        "the sampling logits are not finite: the weights this sample is served from produce "
+        "NaN or infinity (weights-sync weights that generate finite logits)",
+    )
 
 
 @dataclass(frozen=True)
@@ -151,6 +170,16 @@ class _Draws:
         self.sequences = [Sequence() for _ in range(job.rows)]
         self.done = [False] * job.rows
         self.finished = False
+        self.error: OperationError | None = None
+        self.reported = False
+
+    def finite(self, logits: torch.Tensor) -> bool:
+        """Whether the logits of its running rows are finite (else it fails, alone)."""
+        running = torch.tensor([not d for d in self.done], device=logits.device)
+        if bool(torch.isfinite(logits[self.start : self.end][running]).all()):
+            return True
+        self.error, self.finished = non_finite_logits(), True
+        return False
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
         return _choose(logits[self.start : self.end], self.job.params, self.generator)
@@ -186,7 +215,7 @@ class _Calls:
 
     def __init__(self, model: nn.Module, call: Forward, draws: list[_Draws]) -> None:
         self.model, self.call = model, call
-        self.spans = [(d.job.adapter, d.start, d.end) for d in draws]
+        self.spans = [(d.job.adapter, d.start, d.end) for d in draws]  # one per job
         self.head: nn.Module | None = None  # set when the jobs bring adapters
         self.head_adapters: set[str] = set()
         if any(adapter is not None for adapter, _, _ in self.spans):
@@ -209,6 +238,14 @@ class _Calls:
         self.installed.enter_context(segmented(head, last))
         self.length = length
 
+    def retire(self, job: int) -> None:
+        """A finished job's rows run on the base weights from now on: its adapter (which its
+        session may change or drop once told) is no longer read."""
+        _, start, end = self.spans[job]
+        if self.spans[job][0] is not None:
+            self.spans[job] = (None, start, end)
+            self.off()  # installed again for the next call
+
     def off(self) -> None:
         """The model's own forwards again (while other operations use it, and at the end)."""
         self.installed.close()
@@ -222,6 +259,7 @@ def generate(
     forward: Forward | None = None,
     agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
     turns: Turns | None = None,
+    report: Report | None = None,
 ) -> list[list[list[Sequence]]]:
     """Each job's sequences grouped by prompt, from one generation of all the jobs' rows.
 
@@ -229,17 +267,58 @@ def generate(
     through its FSDP root). `agree(chosen)` returns the tokens to continue with: under
     torch.distributed, rank 0's choice broadcast to every rank, so all stay in lockstep.
     `turns`: when to let other operations run (`Turns`); the per-job adapters are off the
-    model meanwhile, and the MoE recording paused. It runs in the caller's grad mode."""
+    model meanwhile, and the MoE recording paused. It runs in the caller's grad mode.
+
+    A job whose running rows' logits are not finite fails alone (`non_finite_logits`): with
+    `report`, it is told and the others go on; without, the error is raised at once. With
+    `report`, each job is told as soon as its rows are done (one whose routes are recorded:
+    once the generation ends and they are assigned), and its rows compute on the base weights
+    from then on; the other rows' numbers do not depend on them."""
     turns = turns or Turns()
     rows = sum(job.rows for job in jobs)
     wanted = any(job.record_routed_experts for job in jobs)
     with moe_replay.recording(model, rows, wanted) as recorder:  # MoE routing replay
         give = moe_replay.pausing(recorder, turns.give)
-        groups = _generate(model, jobs, forward or model, agree, Turns(turns.every, give))
+        later = {
+            i for i, job in enumerate(jobs) if recorder is not None and job.record_routed_experts
+        }
+        tell = _Teller(report, later)
+        groups = _generate(model, jobs, forward or model, agree, Turns(turns.every, give), tell)
         if recorder is not None:
             wants = [job.record_routed_experts for job in jobs]
             moe_replay.assign(recorder, [job.prompts for job in jobs], groups, wants)
+        tell.rest()
     return groups
+
+
+class _Teller:
+    """Tells `report` of each job once (the jobs in `later`: at `rest`); without `report`, a
+    job's error is raised."""
+
+    def __init__(self, report: Report | None, later: set[int]) -> None:
+        self.report, self.later = report, later
+        self.draws: list[_Draws] = []
+
+    def finished(self, calls: _Calls) -> None:
+        """Report the jobs that finished since the last call, and retire their adapters."""
+        for i, d in enumerate(self.draws):
+            if not d.finished or d.reported:
+                continue
+            if d.error is not None and self.report is None:
+                raise d.error
+            calls.retire(i)
+            if i not in self.later or d.error is not None:
+                self._tell(i, d)
+
+    def rest(self) -> None:
+        for i, d in enumerate(self.draws):
+            if not d.reported:
+                self._tell(i, d)
+
+    def _tell(self, i: int, d: _Draws) -> None:
+        d.reported = True
+        if self.report is not None:
+            self.report(i, d.grouped(), d.error)
 
 
 def _generate(
@@ -248,10 +327,11 @@ def _generate(
     call: Forward,
     agree: Callable[[torch.Tensor], torch.Tensor] | None,
     turns: Turns,
+    tell: _Teller,
 ) -> list[list[list[Sequence]]]:
     from transformers import DynamicCache
 
-    draws: list[_Draws] = []
+    draws = tell.draws
     for job in jobs:
         draws.append(_Draws(job, draws[-1].end if draws else 0))
     rows = [prompt for job in jobs for prompt in job.prompts for _ in range(job.num_samples)]
@@ -273,6 +353,7 @@ def _generate(
                 calls.off()  # the model's own forwards while other operations use it
                 turns.give()
             chosen = _step(out.logits[:, -1, :].float(), draws, agree, step)
+            tell.finished(calls)
             if all(d.finished for d in draws):
                 break
             out, attention, next_pos = decode_step(calls, chosen, attention, next_pos, cache_kw)
@@ -288,8 +369,8 @@ def _step(
     step: int,
 ) -> torch.Tensor:
     """Every running job's tokens (agreed on), appended to its rows; the tokens every row is
-    fed next (a finished job's rows: 0)."""
-    running = [d for d in draws if not d.finished]
+    fed next (a finished or failed job's rows: 0)."""
+    running = [d for d in draws if not d.finished and d.finite(logits)]
     chosen = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
     for d in running:
         chosen[d.start : d.end] = d.choose(logits)

@@ -30,12 +30,15 @@ ADJUST_LR_FN = {
     "MUON_SCALING_STRATEGY_ORIGINAL": "original",
 }
 MAX_NEWTON_SCHULZ_STEPS = 99  # torch.optim.Muon refuses 100 or more
+# An Adam or Muon step moves each weight by about the learning rate: past 1e2 a step only
+# wrecks the weights (or overflows them), so larger rates are refused (docs/decisions.md).
+MAX_LEARNING_RATE = 1e2
 
 
 class AdamParams(Spec):
     """Per-step AdamW knobs; omitted fields take the defaults of docs/semantics.md §14."""
 
-    learning_rate: float = Field(default=1e-4, ge=0.0, allow_inf_nan=False)
+    learning_rate: float = Field(default=1e-4, ge=0.0, le=MAX_LEARNING_RATE, allow_inf_nan=False)
     beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
     beta2: float = Field(default=0.95, ge=0.0, lt=1.0)
     eps: float = Field(default=1e-8, gt=0.0, allow_inf_nan=False)
@@ -46,7 +49,7 @@ class AdamParams(Spec):
 class MuonParams(Spec):
     """Per-step Muon knobs (§10's defaults); `adam` for the auxiliary AdamW's tensors."""
 
-    learning_rate: float = Field(default=1e-4, ge=0.0, allow_inf_nan=False)
+    learning_rate: float = Field(default=1e-4, ge=0.0, le=MAX_LEARNING_RATE, allow_inf_nan=False)
     momentum: float = Field(default=0.95, ge=0.0, lt=1.0)
     newton_schulz_steps: int = Field(default=5, ge=1, le=MAX_NEWTON_SCHULZ_STEPS)
     weight_decay: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)

@@ -46,12 +46,17 @@ class BatchGenerator(Protocol):
 
 @dataclass
 class SampleJob:
-    """One validated sample call of one session, then its outcome."""
+    """One validated sample call of one session, then its outcome (`finished` once it has
+    one). `result`, `error`, `taken`, `done`: the combiner's view of it (`combine.Item`):
+    `result` is set once the job has its outcome or runs in a batch's generation thread."""
 
     session: SamplingSession
     call: SampleCall
     generator: BatchGenerator
-    result: dict[str, Any] | None = None
+    outcome: dict[str, Any] | None = None
+    failure: BaseException | None = None
+    finished: threading.Event = field(default_factory=threading.Event)
+    result: object = None
     error: BaseException | None = None
     taken: bool = False
     done: bool = False
@@ -60,6 +65,7 @@ class SampleJob:
     rng_after: torch.Tensor | None = None
     undo: Undo = field(default_factory=list)
     saved_versions: Versions | None = None
+    samples: list[PromptSamples] = field(default_factory=list)
 
     @property
     def rows(self) -> int:
@@ -69,6 +75,13 @@ class SampleJob:
     def lora(self) -> LoraPolicy:
         """The session's policy: a LoRA one (`batcher_for`)."""
         return cast(LoraPolicy, self.generator.policy)
+
+    def finish(
+        self, outcome: dict[str, Any] | None = None, failure: BaseException | None = None
+    ) -> None:
+        """Its outcome (a result or a failure): its caller wakes."""
+        self.outcome, self.failure, self.result = outcome, failure, True
+        self.finished.set()
 
 
 class BatchingResource(Protocol):
@@ -116,7 +129,7 @@ class SampleBatcher:
 
     def run(self, job: SampleJob) -> dict[str, Any]:
         """Later arrivals form the next batch while this one generates (`overlap`): the two
-        take turns on the lock."""
+        take turns on the lock. Returns as soon as this job's own rows are done."""
         limit = self.resource.entry.max_batch_size
         self._combiner.submit(
             job,
@@ -124,59 +137,75 @@ class SampleBatcher:
             lambda pending: one_per_session(pending, limit, lambda j: j.rows),
             self._execute,
         )
-        if job.error is not None:
+        if job.error is not None and job.result is None:  # the combiner's own failure
             raise job.error
-        assert job.result is not None
-        return job.result
+        job.finished.wait()
+        if job.failure is not None:
+            raise job.failure
+        assert job.outcome is not None
+        return job.outcome
 
     def _execute(self, taken: list[SampleJob]) -> None:
-        if len(taken) == 1:
-            self._alone(taken[0])
-            return
         live = []
         for job in taken:
             if job.session.active:
                 live.append(job)
             else:
-                job.error = OperationError("SESSION_NOT_ACTIVE", "the session is not running")
+                job.finish(
+                    failure=OperationError("SESSION_NOT_ACTIVE", "the session is not running")
+                )
         if len(live) == 1:  # the others stopped meanwhile
             self._alone(live[0])
         elif live:
-            with self.resource.lock:  # held once: the batch can yield its turn
-                self._batch(live)
+            self._launch(live)
 
     @staticmethod
     def _alone(job: SampleJob) -> None:
         """The solo path (it takes the lock itself, so its sample yields its turns)."""
         try:
-            job.result = sample_alone(job.session, job.call)
+            job.finish(outcome=sample_alone(job.session, job.call))
         except BaseException as exc:
-            job.error = exc
+            job.finish(failure=exc)
+
+    def _launch(self, jobs: list[SampleJob]) -> None:
+        """The batch's generation in a thread of its own, so that each job's caller returns
+        as soon as its rows are done, whichever caller took the jobs."""
+        for job in jobs:
+            job.result = True  # handed to the generation thread
+        thread = threading.Thread(target=self._generation, args=(jobs,), daemon=True)
+        try:
+            thread.start()
+        except BaseException as exc:
+            for job in jobs:
+                job.finish(failure=exc)
+            raise
+
+    def _generation(self, jobs: list[SampleJob]) -> None:
+        try:
+            with self.resource.lock:  # held once: the batch can yield its turn
+                self._batch(jobs)
+        except BaseException as exc:  # the lock itself: every job still waiting fails
+            _fail_rest(jobs, exc)
 
     def _batch(self, jobs: list[SampleJob]) -> None:
-        started: list[SampleJob] = []
+        """Each job is finished once: when its rows are done, or failed alone (its logits not
+        finite, its answer failing: `_Batch.report`); a failure of the generation itself
+        fails the jobs not finished yet. A failed job's session is left as it was."""
+        batch = _Batch(self, jobs)
         try:
             for job in jobs:
-                started.append(job)
                 _begin(job)
-            groups = _generate(jobs, self._turns(jobs[0]))
-            results = [_answer(job, group) for job, group in zip(jobs, groups, strict=True)]
+            for job in jobs:
+                job.samples = _prompt_samples(job)
+            _generate(jobs, self._turns(jobs[0]), batch.report)
         except BaseException as exc:
-            for job in reversed(started):
-                _roll_back(job)
-                job.error = exc
-            return
-        for job, result in zip(jobs, results, strict=True):
-            assert job.rng_after is not None
-            job.session.cpu_rng = job.rng_after
-            job.result = result
-        self.batches += 1
-        self.batched_jobs += len(jobs)
+            _fail_rest(jobs, exc)
 
     def _turns(self, job: SampleJob) -> sampler.Turns:
         """Between decode steps (with the jobs' adapters off the model): let waiting
-        operations run, then eval mode again. Each job's published adapter cannot change
-        meanwhile (the module docstring)."""
+        operations run, then eval mode again. The published adapter of each job still running
+        cannot change meanwhile (`docs/design/batching.md`); a finished job's is no longer
+        read."""
         steps = job.call.steps_per_turn
         lock = self.resource.lock
         if steps <= 0:
@@ -193,7 +222,7 @@ class SampleBatcher:
 def _begin(job: SampleJob) -> None:
     """What the session's `operation_scope` + solo sample do before generating: apply a pending
     publish (undoable), and seed the job's token generator as `sample_alone` would, from the
-    session's RNG stream when no seed is given (kept aside until the batch succeeds)."""
+    session's RNG stream when no seed is given (kept aside until the job succeeds)."""
     session = job.session
     job.saved_versions = replace(session.versions)
     apply_pending(session, job.undo)
@@ -201,6 +230,49 @@ def _begin(job: SampleJob) -> None:
     rng.set_state(session.cpu_rng)
     job.seed = sampler.draw_seed(job.call.params.seed, rng)
     job.rng_after = rng.get_state()
+
+
+class _Batch:
+    """One batch's reports: each job's answer or failure, and the batcher's counters."""
+
+    def __init__(self, batcher: SampleBatcher, jobs: list[SampleJob]) -> None:
+        self.batcher, self.jobs = batcher, jobs
+        self.counted = False
+
+    def report(
+        self, job: int, groups: list[list[sampler.Sequence]], error: OperationError | None
+    ) -> None:
+        """`sampler.Report`: the job's answer, or its failure with its session rolled back."""
+        self._report(self.jobs[job], groups, error)
+
+    def _report(
+        self, job: SampleJob, groups: list[list[sampler.Sequence]], error: OperationError | None
+    ) -> None:
+        if error is not None:
+            _roll_back(job)
+            job.finish(failure=error)
+            return
+        try:
+            result = _answer(job, groups)
+        except BaseException as exc:
+            _roll_back(job)
+            job.finish(failure=exc)
+            return
+        assert job.rng_after is not None
+        job.session.cpu_rng = job.rng_after
+        if not self.counted:
+            self.counted = True
+            self.batcher.batches += 1
+        self.batcher.batched_jobs += 1
+        job.finish(outcome=result)
+
+
+def _fail_rest(jobs: list[SampleJob], exc: BaseException) -> None:
+    """Every job not finished yet fails with `exc`, its session rolled back."""
+    for job in reversed(jobs):
+        if not job.finished.is_set():
+            _roll_back(job)
+            job.finish(failure=exc)
 
 
 def _roll_back(job: SampleJob) -> None:
@@ -211,19 +283,27 @@ def _roll_back(job: SampleJob) -> None:
         job.session.versions = job.saved_versions
 
 
+def _prompt_samples(job: SampleJob) -> list[PromptSamples]:
+    """The job's prompts, with their prompt logprobs (when asked) computed with its own
+    adapter alone, before the generation; the sequences come when its rows are done."""
+    groups: list[list[sampler.Sequence]] = [[] for _ in job.call.prompts]
+    with job.generator.policy.published() as model:
+        return job.generator.prompt_samples(job.call, groups, model)
+
+
 @torch.no_grad()
-def _generate(jobs: list[SampleJob], turns: sampler.Turns) -> list[list[list[sampler.Sequence]]]:
-    """Each job's sequences grouped by prompt, from one generation in which each job's rows
-    use its session's published adapter."""
+def _generate(jobs: list[SampleJob], turns: sampler.Turns, report: sampler.Report) -> None:
+    """One generation in which each job's rows use its session's published adapter; each job
+    is reported (`report`) as soon as its rows are done."""
     policy = jobs[0].lora
     policy.peft.eval()
     decode = [job.call.decode_job(job.seed, adapter=job.lora.pub_name) for job in jobs]
-    return sampler.generate(policy.model, decode, turns=turns)
+    sampler.generate(policy.model, decode, turns=turns, report=report)
 
 
 def _answer(job: SampleJob, groups: list[list[sampler.Sequence]]) -> dict[str, Any]:
-    """The job's result, its prompt logprobs computed with its own adapter alone."""
+    """The job's result from its sequences and the prompt logprobs computed before."""
     version = job.session.versions.applied_weights_version
-    with job.generator.policy.published() as model:
-        samples = job.generator.prompt_samples(job.call, groups, model)
-    return answer(job.session, job.call, samples, version)
+    for samples, group in zip(job.samples, groups, strict=True):
+        samples.sequences = group
+    return answer(job.session, job.call, job.samples, version)
