@@ -40,6 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import hostile
+from benchmarks.body_shapes import children, status_kib
 from trainer import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +50,7 @@ MB = 1_000_000
 VOCAB = 151_936
 INLINE_CAP = 64 << 20  # the default max_body_bytes
 MARKERS = ("<!-- bench-bodies:start -->", "<!-- bench-bodies:end -->")
+HOSTILE_MARKERS = ("<!-- bench-hostile:start -->", "<!-- bench-hostile:end -->")
 
 
 def wire_body(
@@ -163,22 +166,6 @@ def _legacy_patch() -> None:
 # -- one worker, one run ----------------------------------------------------------------------
 
 
-def _status_kib(pid: int, key: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    return 0
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(stat.parent.name))
-    return out
-
-
 def _reset_peak(pid: int) -> None:
     with contextlib.suppress(OSError):
         Path(f"/proc/{pid}/clear_refs").write_text("5")
@@ -231,10 +218,10 @@ def _run_once(
 ) -> dict[str, Any]:
     import httpx
 
-    children = _children(pid)
-    for p in (pid, *children):
+    kids = children(pid)
+    for p in (pid, *kids):
         _reset_peak(p)
-    child_before = sum(_status_kib(c, "VmRSS") for c in children)
+    child_before = sum(status_kib(c, "VmRSS") for c in kids)
     with HealthProbe(url) as probe:
         started = time.perf_counter()
         if route == "inline":
@@ -247,14 +234,14 @@ def _run_once(
                 http, sid, json.dumps({"loss": PPO, "payload_id": grant["payload_id"]}).encode()
             )
         elapsed = time.perf_counter() - started
-    children = _children(pid)
+    kids = children(pid)
     message = str((op.get("error") or {}).get("message", ""))
     return {
         "ok": op["status"].endswith("FAILED") and "out of range" in message,
         "status": op["status"],
-        "rise_mib": (_status_kib(pid, "VmHWM") - base) / 1024,
-        "parser_mib": (sum(_status_kib(c, "VmHWM") for c in children) - child_before) / 1024
-        if children
+        "rise_mib": (status_kib(pid, "VmHWM") - base) / 1024,
+        "parser_mib": (sum(status_kib(c, "VmHWM") for c in kids) - child_before) / 1024
+        if kids
         else 0.0,
         "healthz_max_s": max(probe.latencies),
         "seconds": elapsed,
@@ -306,7 +293,7 @@ def _cell(
             sid = _session(http)
             _op(http, sid, json.dumps(wire_body(40, 500, seed=1, vocab=VOCAB)).encode())
             time.sleep(0.5)
-            base = _status_kib(pid, "VmRSS")
+            base = status_kib(pid, "VmRSS")
             return [_run_once(http, pid, url, sid, raw, route, base) for _ in range(repeats)]
     finally:
         worker.stop(grace=None)
@@ -339,12 +326,12 @@ def render(rows: list[dict[str, Any]], command: str) -> str:
     return "\n".join(lines)
 
 
-def write_markdown(table: str, path: Path) -> None:
+def write_markdown(table: str, path: Path, markers: tuple[str, str] = MARKERS) -> None:
     text = path.read_text()
-    start, end = text.find(MARKERS[0]), text.find(MARKERS[1])
+    start, end = text.find(markers[0]), text.find(markers[1])
     if start < 0 or end < 0:
-        raise RuntimeError(f"{path} has no {MARKERS[0]} ... {MARKERS[1]} markers")
-    path.write_text(text[:start] + table + text[end + len(MARKERS[1]) :])
+        raise RuntimeError(f"{path} has no {markers[0]} ... {markers[1]} markers")
+    path.write_text(text[:start] + table + text[end + len(markers[1]) :])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -361,8 +348,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="6,60,300", help="body sizes in MB, comma-separated")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hostile-sizes", default="1,8,60", help="hostile shapes' sizes, MB")
+    parser.add_argument("--old-tree", type=Path, help="the old code for the hostile shapes")
     parser.add_argument("--no-write", action="store_true", help="leave BENCHMARKS.md alone")
     args = parser.parse_args(argv)
+    if args.old_tree is not None:
+        _hostile(args)
+    if args.sizes:
+        _legit(args)
+    return 0
+
+
+def _legit(args: argparse.Namespace) -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     with tempfile.TemporaryDirectory(prefix="bench-bodies-") as work:
         rows = measure(sizes, args.repeats, Path(work))
@@ -375,7 +372,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table)
     if not args.no_write:
         write_markdown(table, ROOT / "BENCHMARKS.md")
-    return 0
+
+
+def _hostile(args: argparse.Namespace) -> None:
+    sizes = [float(s) for s in args.hostile_sizes.split(",")]
+    with tempfile.TemporaryDirectory(prefix="bench-hostile-") as work:
+        rows = hostile.measure(sizes, args.old_tree.resolve(), ROOT, Path(work))
+    command = (
+        f"python scripts/bench_bodies.py --sizes '' --hostile-sizes {args.hostile_sizes} "
+        "--old-tree OLD"
+    )
+    lines = [HOSTILE_MARKERS[0], f"`{command}`", "", *hostile.render(rows), HOSTILE_MARKERS[1]]
+    table = "\n".join(lines)
+    print(table)
+    if not args.no_write:
+        write_markdown(table, ROOT / "BENCHMARKS.md", HOSTILE_MARKERS)
 
 
 if __name__ == "__main__":

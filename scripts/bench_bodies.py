@@ -2,6 +2,8 @@
 
     python scripts/bench_bodies.py                  # 6, 60, 300 MB, 3 runs each; BENCHMARKS.md
     python scripts/bench_bodies.py --sizes 6 --repeats 1 --no-write    # a quick check
+    git archive <base> | tar -x -C OLD      # the old code, for the worst shapes on both faces:
+    python scripts/bench_bodies.py --sizes '' --hostile-sizes 1,8,60 --old-tree OLD
 
 See `benchmarks/bodies.py` for what is measured and how.
 """

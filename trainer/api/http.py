@@ -10,6 +10,7 @@ from trainer.api.signing import refused_param
 from trainer.contract.values import parse_int_text
 from trainer.serving.bodies import read_json
 from trainer.serving.errors import ApiError, bad_request
+from trainer.serving.jsonparse import Bounds
 from trainer.serving.worker import Worker
 
 # a checkpoint file behind a signed URL (served by the RL face, linked from both faces)
@@ -76,9 +77,20 @@ def parse_statuses(request: Request, allowed: tuple[str, ...]) -> list[str] | No
     return values or None
 
 
-async def json_object(request: Request, limit: int, *, arrays: bool = False) -> dict[str, Any]:
+async def json_object(
+    request: Request, limit: int, *, arrays: bool = False, decoder: str | None = None
+) -> dict[str, Any]:
     """The body's JSON object (`{}` if empty), 413 past `limit`, parsed off the event loop: in
-    a thread when small, in the body parser's child process when large (`trainer.serving.bodies`).
-    `arrays`: an operation body, whose bulk numeric lists come back as numpy arrays."""
-    parser = worker_of(request).payloads.parser
-    return await read_json(request, limit, parser, pack=arrays)
+    a thread when small, in the body parser's child process when large (`trainer.serving.bodies`),
+    within the configured models' bounds (a 400 naming the field at the first one crossed).
+    `arrays`: an operation body, whose bulk numeric lists come back as numpy arrays.
+    `decoder`: not JSON; `module:function` decodes the bytes (`trainer.serving.bodychild`)."""
+    worker = worker_of(request)
+    parser = worker.payloads.parser
+    parser.bounds = body_bounds(worker)
+    return await read_json(request, limit, parser, pack=arrays, decoder=decoder)
+
+
+def body_bounds(worker: Worker) -> Bounds:
+    """What one request body may hold: the largest of the configured models' limits."""
+    return Bounds.of_models(worker.config.models)

@@ -25,8 +25,10 @@ import orjson
 from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
 
+from trainer.serving.bodychild import load_decoder
 from trainer.serving.errors import ApiError, bad_request, is_disk_full
-from trainer.serving.jsonparse import BodyError, decode_object
+from trainer.serving.jsonparse import KINDS, BodyError, Bounds
+from trainer.serving.jsonscan import decode_object
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,8 @@ MAX_WAITING = 8
 
 
 class BodyParser:
-    """The child process that parses large bodies, and the spool directory it reads from."""
+    """The child process that parses large bodies, and the spool directory it reads from.
+    `bounds`: what a body may hold (`Bounds`), checked as it is decoded."""
 
     def __init__(
         self,
@@ -54,22 +57,35 @@ class BodyParser:
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()  # one body at a time through the child
         self._waiting = threading.BoundedSemaphore(max_waiting)
+        self.bounds = Bounds()
 
     def spool_path(self) -> Path:
         return self.spool_dir / f"{uuid.uuid4().hex}.json"
 
-    def parse_file(self, path: Path, *, pack: bool, empty_ok: bool = True) -> dict[str, Any]:
-        """The JSON object in `path` (blocking: call it from a thread). With `pack`, the bulk
-        arrays of an operation body come back as numpy arrays. `BodyError` if refused."""
+    def parse_file(
+        self, path: Path, *, pack: bool, empty_ok: bool = True, decoder: str | None = None
+    ) -> dict[str, Any]:
+        """The JSON object in `path` (blocking: call it from a thread), or with `decoder`
+        (`module:function`, see `trainer.serving.bodychild`) the dict it decodes the bytes
+        into. With `pack`, the bulk arrays come back as numpy arrays. `BodyError` if refused."""
         if path.stat().st_size <= self.inline_max:
-            return decode_object(path.read_bytes(), empty_ok=empty_ok)
+            return self.parse_bytes(path.read_bytes(), empty_ok=empty_ok, decoder=decoder)
         if not self._waiting.acquire(blocking=False):
             raise BodyError("busy", "too many large request bodies are being parsed; retry")
         try:
             with self._lock:
-                return self._parse_in_child(path, pack, empty_ok)
+                request = {"pack": pack, "empty_ok": empty_ok, "decoder": decoder}
+                return self._parse_in_child(path, request)
         finally:
             self._waiting.release()
+
+    def parse_bytes(
+        self, raw: bytes, *, empty_ok: bool = True, decoder: str | None = None
+    ) -> dict[str, Any]:
+        """A small body decoded in this process (blocking), within `bounds`."""
+        if decoder is not None:
+            return load_decoder(decoder)(raw, self.bounds)
+        return decode_object(raw, empty_ok=empty_ok, bounds=self.bounds)
 
     def close(self) -> None:
         with self._lock:
@@ -81,7 +97,7 @@ class BodyParser:
     def _child(self) -> subprocess.Popen[bytes]:
         if self._proc is None or self._proc.poll() is not None:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "trainer.serving.jsonparse"],
+                [sys.executable, "-m", "trainer.serving.bodychild"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -99,9 +115,9 @@ class BodyParser:
                 stream.close()
         return code
 
-    def _parse_in_child(self, path: Path, pack: bool, empty_ok: bool) -> dict[str, Any]:
+    def _parse_in_child(self, path: Path, options: dict[str, Any]) -> dict[str, Any]:
         blob = self.spool_path().with_suffix(".bin")
-        request = {"src": str(path), "blob": str(blob), "pack": pack, "empty_ok": empty_ok}
+        request = {"src": str(path), "blob": str(blob), "bounds": self.bounds.as_dict(), **options}
         try:
             line = self._exchange(json.dumps(request).encode() + b"\n")
             reply = _loads(line)
@@ -151,9 +167,10 @@ def assemble(skeleton: dict[str, Any], arrays: dict[str, Any] | None, blob: Path
         parent: Any = skeleton
         for part in parts[:-1]:
             parent = parent[part]
-        view = data[offset : offset + 8 * count].view(np.int64 if kind == "i" else np.float64)
-        parent[parts[-1]] = view
-        offset += 8 * count
+        dtype = KINDS[kind]
+        size = dtype.itemsize * count
+        parent[parts[-1]] = data[offset : offset + size].view(dtype.newbyteorder("="))
+        offset += size + (-size % 8)
     return skeleton
 
 
@@ -197,10 +214,11 @@ def api_error(exc: BodyError, *, payload: bool = False) -> ApiError:
 
 
 async def read_json(
-    request: Request, limit: int, parser: BodyParser, *, pack: bool
+    request: Request, limit: int, parser: BodyParser, *, pack: bool, decoder: str | None = None
 ) -> dict[str, Any]:
-    """The request's JSON object: decoded in a thread when small, spooled and parsed in the
-    child when large (`pack`: an operation body, whose bulk arrays come back packed)."""
+    """The request's JSON object (or what `decoder` makes of its bytes): decoded in a thread
+    when small, spooled and parsed in the child when large (`pack`: an operation body, whose
+    bulk arrays come back packed). Never held whole in memory as Python objects."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise too_large(limit, declared)
@@ -213,11 +231,11 @@ async def read_json(
             raise too_large(limit)
         chunks.append(chunk)
         if size > parser.inline_max:
-            return await _spooled(chunks, size, stream, limit, parser, pack)
+            return await _spooled(chunks, size, stream, limit, parser, (pack, decoder))
     raw = b"".join(chunks)
     del chunks
     try:
-        return await run_in_threadpool(decode_object, raw)
+        return await run_in_threadpool(parser.parse_bytes, raw, decoder=decoder)
     except BodyError as exc:
         raise api_error(exc) from None
 
@@ -228,7 +246,7 @@ async def _spooled(
     stream: AsyncIterator[bytes],
     limit: int,
     parser: BodyParser,
-    pack: bool,
+    how: tuple[bool, str | None],
 ) -> dict[str, Any]:
     path = parser.spool_path()
     try:
@@ -241,7 +259,7 @@ async def _spooled(
                 if size > limit:
                     raise too_large(limit)
                 handle.write(chunk)
-        return await run_in_threadpool(parser.parse_file, path, pack=pack)
+        return await run_in_threadpool(parser.parse_file, path, pack=how[0], decoder=how[1])
     except BodyError as exc:
         raise api_error(exc) from None
     except OSError as exc:

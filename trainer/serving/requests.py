@@ -75,9 +75,11 @@ class UpdateSessionBody(Spec):
     metadata: SessionMetadata | None = None
 
 
+# `fail_fast`: validation stops at a list's first bad element; a body of a million bad
+# samples costs one error, not a million
 class ForwardBackwardBody(Spec):
     loss: LossConfig
-    samples: list[Sample] = Field(min_length=1)
+    samples: list[Sample] = Field(min_length=1, fail_fast=True)
     forward_only: bool = False
     return_loss_fn_outputs: bool = False
     # the Tinker face: per-token logprobs at every position, masked ones included
@@ -85,8 +87,8 @@ class ForwardBackwardBody(Spec):
 
 
 class CustomForwardBackwardBody(Spec):
-    samples: list[Sample] = Field(min_length=1)
-    gradients: list[Gradient] = Field(min_length=1)
+    samples: list[Sample] = Field(min_length=1, fail_fast=True)
+    gradients: list[Gradient] = Field(min_length=1, fail_fast=True)
 
     @model_validator(mode="after")
     def _aligned(self) -> CustomForwardBackwardBody:
@@ -142,7 +144,7 @@ class WeightsSyncBody(Spec):
 
 
 class SampleBody(Spec):
-    model_inputs: list[ModelInput] = Field(min_length=1)
+    model_inputs: list[ModelInput] = Field(min_length=1, fail_fast=True)
     num_samples: int = Field(default=1, ge=1, le=1024)
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     prompt_logprobs: bool = False

@@ -16,12 +16,21 @@ from typing import Any
 
 import numpy as np
 
-from trainer.api.tinker.protowire import Field, ProtoError, Schema, read_message, write_message
+from trainer.api.tinker.protowire import (
+    Caps,
+    Field,
+    ProtoError,
+    Schema,
+    read_message,
+    write_message,
+)
+from trainer.serving.jsonparse import BodyError, Bounds
 
 __all__ = [
     "PROTOBUF",
     "ProtoError",
     "decode_forward_backward_request",
+    "decode_request_body",
     "encode_forward_backward_output",
     "encode_sample_response",
 ]
@@ -30,6 +39,10 @@ PROTOBUF = "application/x-protobuf"
 
 MAX_DENSE_ELEMENTS = 1 << 25
 """Elements that densifying the sparse CSR tensors of one request may allocate, in all."""
+MAX_DIMS = 8  # dimensions of one tensor's shape
+MAX_CONFIG = 256  # entries of a loss_fn_config map
+DECODER = "trainer.api.tinker.proto:decode_request_body"
+"""The `ForwardBackwardRequest` decoder as the body parser names it (`trainer.serving.bodies`)."""
 
 
 DTYPE_FLOAT32, DTYPE_INT64, DTYPE_INT32, DTYPE_BFLOAT16 = 1, 2, 3, 4
@@ -44,7 +57,7 @@ TENSOR: Schema = {
     1: Field("dense", "bytes", oneof="encoding"),
     2: Field("sparse_csr", "message", message=SPARSE_CSR, oneof="encoding"),
     3: Field("dtype", "enum"),
-    4: Field("shape", "int64", repeated=True),
+    4: Field("shape", "int64", repeated=True, cap="dims"),
 }
 CHUNK: Schema = {
     1: Field("encoded_text", "message", message={1: Field("tokens", "bytes")}, oneof="chunk"),
@@ -57,8 +70,8 @@ CHUNK: Schema = {
     3: Field("dmel", "message", message={}, oneof="chunk"),
 }
 DATUM: Schema = {
-    1: Field("model_input", "message", repeated=True, message=CHUNK),
-    2: Field("loss_fn_inputs", "map", value="message", message=TENSOR),
+    1: Field("model_input", "message", repeated=True, message=CHUNK, cap="chunks"),
+    2: Field("loss_fn_inputs", "map", value="message", message=TENSOR, cap="inputs"),
     # 3, 4: provenance spans, not used by this worker (skipped as unknown fields)
 }
 LOSS_CONFIG_VALUE: Schema = {
@@ -68,11 +81,11 @@ LOSS_CONFIG_VALUE: Schema = {
 FORWARD_BACKWARD_REQUEST: Schema = {
     1: Field("model_id", "string"),
     2: Field("seq_id", "int32"),
-    3: Field("data", "message", repeated=True, message=DATUM),
+    3: Field("data", "message", repeated=True, message=DATUM, cap="datums"),
     4: Field("loss_fn", "string"),
-    5: Field("loss_fn_config", "map", value="double"),
+    5: Field("loss_fn_config", "map", value="double", cap="config"),
     6: Field("forward_only", "bool"),
-    7: Field("loss_fn_config_v2", "map", value="message", message=LOSS_CONFIG_VALUE),
+    7: Field("loss_fn_config_v2", "map", value="message", message=LOSS_CONFIG_VALUE, cap="config"),
 }
 
 BATCHED_TENSOR: Schema = {
@@ -127,7 +140,50 @@ def _array(raw: memoryview, wire_dtype: str, path: str) -> np.ndarray:
     return np.frombuffer(raw, dtype=wire_dtype).astype(wire_dtype[1:])
 
 
-def _tensor(msg: dict[str, Any], path: str, budget: list[int]) -> dict[str, Any]:
+class _Limits:
+    """The bounds of one decode, and what they counted so far."""
+
+    def __init__(self, bounds: Bounds | None) -> None:
+        self.bounds = bounds
+        self.dense = MAX_DENSE_ELEMENTS  # elements densifying may still allocate
+        self.tokens = 0
+
+    def caps(self) -> Caps | None:
+        b = self.bounds
+        if b is None:
+            return None
+        counts = {
+            "datums": b.max_batch_size,
+            "chunks": b.max_seq_length,
+            "inputs": b.max_inputs,
+            "dims": MAX_DIMS,
+            "config": MAX_CONFIG,
+        }
+        return Caps(fields=b.max_items, counts=counts)
+
+    def values(self, count: int, path: str) -> None:
+        """A tensor's element count, before it is allocated: at most one per token."""
+        if self.bounds is not None and count > self.bounds.max_seq_length:
+            raise ProtoError(path, f"{count} values exceed max_seq_length")
+
+    def datum_tokens(self, count: int, where: str) -> None:
+        b = self.bounds
+        if b is None:
+            return
+        if count > b.max_seq_length:
+            raise ProtoError(
+                f"{where}.model_input", f"{count} tokens exceed max_seq_length {b.max_seq_length}"
+            )
+        self.tokens += count
+        if self.tokens > b.max_tokens_per_call:
+            raise ProtoError(
+                "data",
+                f"at least {self.tokens} tokens in all exceed max_tokens_per_call "
+                f"{b.max_tokens_per_call}; split the call",
+            )
+
+
+def _tensor(msg: dict[str, Any], path: str, limits: _Limits) -> dict[str, Any]:
     if msg["dtype"] not in _WIDE:
         raise ProtoError(f"{path}.dtype", f"unknown tensor dtype {msg['dtype']}")
     wire_dtype, dtype = _WIDE[msg["dtype"]]
@@ -137,38 +193,49 @@ def _tensor(msg: dict[str, Any], path: str, budget: list[int]) -> dict[str, Any]
     size = int(np.prod(shape, dtype=object)) if shape else None
     csr = msg["sparse_csr"]
     if csr is None:
-        values = _array(msg["dense"] or memoryview(b""), wire_dtype, f"{path}.dense")
+        dense = msg["dense"] or memoryview(b"")
+        limits.values(len(dense) // np.dtype(wire_dtype).itemsize, f"{path}.dense")
+        values = _array(dense, wire_dtype, f"{path}.dense")
         if size is not None and values.size != size:
             raise ProtoError(f"{path}.dense", f"{values.size} values for shape {shape}")
     else:
         if len(shape) != 2:
             raise ProtoError(f"{path}.shape", f"a sparse CSR tensor needs a 2-D shape, got {shape}")
-        rows, cols = shape
-        nonzero = _array(csr["values"], wire_dtype, f"{path}.sparse_csr.values")
-        crow = _array(csr["crow_indices"], "<i8", f"{path}.sparse_csr.crow_indices")
-        col = _array(csr["col_indices"], "<i8", f"{path}.sparse_csr.col_indices")
-        where = f"{path}.sparse_csr"
-        if crow.size != rows + 1 or crow[0] != 0 or np.any(np.diff(crow) < 0):
-            raise ProtoError(f"{where}.crow_indices", f"not {rows + 1} row pointers from 0 up")
-        if crow[-1] != nonzero.size or col.size != nonzero.size:
-            raise ProtoError(where, "values, col_indices and crow_indices[-1] disagree")
-        if col.size and (col.min() < 0 or col.max() >= cols):
-            raise ProtoError(f"{where}.col_indices", f"a column outside [0, {cols})")
         assert size is not None
-        budget[0] -= size
-        if budget[0] < 0:
-            raise ProtoError(path, f"densified tensors exceed {MAX_DENSE_ELEMENTS} elements")
-        values = np.zeros(size, dtype=wire_dtype[1:])
-        values[np.repeat(np.arange(rows), np.diff(crow)) * cols + col] = nonzero
+        limits.values(size, f"{path}.shape")
+        values = _densify(csr, shape, wire_dtype, f"{path}.sparse_csr", limits)
     if msg["dtype"] == DTYPE_BFLOAT16:
         values = (values.astype(np.uint32) << 16).view(np.float32)
     return {"data": values.astype(dtype, copy=False), "dtype": dtype, "shape": shape or None}
 
 
-def _chunk(msg: dict[str, Any], path: str) -> dict[str, Any]:
+def _densify(
+    csr: dict[str, Any], shape: list[int], wire_dtype: str, where: str, limits: _Limits
+) -> np.ndarray:
+    rows, cols = shape
+    nonzero = _array(csr["values"], wire_dtype, f"{where}.values")
+    crow = _array(csr["crow_indices"], "<i8", f"{where}.crow_indices")
+    col = _array(csr["col_indices"], "<i8", f"{where}.col_indices")
+    if crow.size != rows + 1 or crow[0] != 0 or np.any(np.diff(crow) < 0):
+        raise ProtoError(f"{where}.crow_indices", f"not {rows + 1} row pointers from 0 up")
+    if crow[-1] != nonzero.size or col.size != nonzero.size:
+        raise ProtoError(where, "values, col_indices and crow_indices[-1] disagree")
+    if col.size and (col.min() < 0 or col.max() >= cols):
+        raise ProtoError(f"{where}.col_indices", f"a column outside [0, {cols})")
+    limits.dense -= rows * cols
+    if limits.dense < 0:
+        tensor = where.removesuffix(".sparse_csr")
+        raise ProtoError(tensor, f"densified tensors exceed {MAX_DENSE_ELEMENTS} elements")
+    values = np.zeros(rows * cols, dtype=wire_dtype[1:])
+    values[np.repeat(np.arange(rows), np.diff(crow)) * cols + col] = nonzero
+    return values
+
+
+def _chunk(msg: dict[str, Any], path: str, arrays: bool) -> dict[str, Any]:
     if msg["encoded_text"] is not None:
         tokens = _array(msg["encoded_text"]["tokens"], "<i4", f"{path}.encoded_text.tokens")
-        return {"type": "encoded_text", "tokens": tokens.tolist()}
+        ids = tokens.astype(np.int64) if arrays else tokens.tolist()
+        return {"type": "encoded_text", "tokens": ids}
     if msg["image"] is not None:
         image = msg["image"]
         return {"type": "image", "format": image["format"], "data_bytes": len(image["data"])}
@@ -177,17 +244,35 @@ def _chunk(msg: dict[str, Any], path: str) -> dict[str, Any]:
     raise ProtoError(path, "a chunk with none of encoded_text, image, dmel")
 
 
-def decode_forward_backward_request(body: bytes) -> dict[str, Any]:
+def _datum(datum: dict[str, Any], where: str, limits: _Limits, arrays: bool) -> dict[str, Any]:
+    texts = [c["encoded_text"] for c in datum["model_input"] if c["encoded_text"] is not None]
+    limits.datum_tokens(sum(len(t["tokens"]) // 4 for t in texts), where)
+    chunks = [
+        _chunk(c, f"{where}.model_input[{j}]", arrays) for j, c in enumerate(datum["model_input"])
+    ]
+    inputs = {
+        name: _tensor(tensor, f"{where}.loss_fn_inputs[{name!r}]", limits)
+        for name, tensor in datum["loss_fn_inputs"].items()
+    }
+    return {"model_input": {"chunks": chunks}, "loss_fn_inputs": inputs}
+
+
+def decode_forward_backward_request(
+    body: bytes, bounds: Bounds | None = None, *, arrays: bool = False
+) -> dict[str, Any]:
     """A protobuf `ForwardBackwardRequest` as the JSON shape of the SDK's request.
 
     Returns `{"model_id", "seq_id", "forward_only", "forward_backward_input": {"loss_fn",
     "loss_fn_config" (dict or None; `loss_fn_config_v2` wins, text values stay str),
     "data": [{"model_input": {"chunks": [...]}, "loss_fn_inputs": {name: {"data": 1-D numpy
     float32/int64, "dtype", "shape": list or None}}}]}}`. Chunks are `{"type": "encoded_text",
-    "tokens": [...]}`, or image / dmel markers. Sparse CSR tensors come back dense.
-    Raises `ProtoError` (a `ValueError`) on any malformed body.
+    "tokens": [...]}` (an int64 array with `arrays`), or image / dmel markers. Sparse CSR
+    tensors come back dense. With `bounds`, datums, chunks, inputs, fields, tokens and tensor
+    values are counted against them before they are allocated.
+    Raises `ProtoError` (a `ValueError`) on any malformed or out-of-bounds body.
     """
-    msg = read_message(body, FORWARD_BACKWARD_REQUEST)
+    limits = _Limits(bounds)
+    msg = read_message(body, FORWARD_BACKWARD_REQUEST, limits.caps())
     config: dict[str, Any] = dict(msg["loss_fn_config"])
     for key, value in msg["loss_fn_config_v2"].items():
         if value["number"] is not None:
@@ -196,18 +281,7 @@ def decode_forward_backward_request(body: bytes) -> dict[str, Any]:
             config[key] = value["text"]
         else:
             raise ProtoError(f"loss_fn_config_v2[{key!r}]", "neither number nor text is set")
-    budget = [MAX_DENSE_ELEMENTS]
-    data = []
-    for i, datum in enumerate(msg["data"]):
-        where = f"data[{i}]"
-        chunks = [
-            _chunk(c, f"{where}.model_input[{j}]") for j, c in enumerate(datum["model_input"])
-        ]
-        inputs = {
-            name: _tensor(tensor, f"{where}.loss_fn_inputs[{name!r}]", budget)
-            for name, tensor in datum["loss_fn_inputs"].items()
-        }
-        data.append({"model_input": {"chunks": chunks}, "loss_fn_inputs": inputs})
+    data = [_datum(d, f"data[{i}]", limits, arrays) for i, d in enumerate(msg["data"])]
     return {
         "model_id": msg["model_id"],
         "seq_id": msg["seq_id"],
@@ -218,6 +292,15 @@ def decode_forward_backward_request(body: bytes) -> dict[str, Any]:
             "data": data,
         },
     }
+
+
+def decode_request_body(body: bytes, bounds: Bounds) -> dict[str, Any]:
+    """`decode_forward_backward_request` within `bounds`, tokens as arrays, as the body
+    parser calls it (`DECODER`): a malformed body is a `BodyError` naming the field."""
+    try:
+        return decode_forward_backward_request(body, bounds, arrays=True)
+    except ProtoError as exc:
+        raise BodyError("field", f"{exc.field}: {exc}", exc.field) from None
 
 
 def _wire_dtype(array: np.ndarray) -> tuple[int, np.dtype]:

@@ -8,7 +8,10 @@ No generated code and no `protobuf` package. A message is a `Schema`, field numb
   twice is merged (its bytes are concatenated); repeated varints come packed or not;
 - a map is a repeated entry message with the key (a string here) in field 1, the value in 2.
 Every malformed body raises `ProtoError` naming the field path; a declared length is checked
-against the bytes left before anything is allocated.
+against the bytes left before anything is allocated. With `Caps`, the fields read in all, the
+elements of each capped repeated field or map, and the times a singular message is set are
+counted as they are read and refused (naming the field) past their cap, so a body costs
+memory and time in proportion to what the caps allow.
 """
 
 from __future__ import annotations
@@ -67,9 +70,36 @@ class Field:
     message: Schema | None = None  # the schema of a message, or of a map's message value
     value: str = ""  # a map's value kind
     oneof: str = ""  # the oneof group; setting one member clears the others
+    cap: str = ""  # the `Caps.counts` entry bounding a repeated field's or a map's elements
 
 
 Schema = Mapping[int, Field]
+MAX_MERGES = 16  # times one singular message may be set (and merged) in one parent
+
+
+@dataclass
+class Caps:
+    """What one read may hold: `fields` in all (each tag read counts one, each packed value
+    one), and per capped field (`Field.cap`) its elements in one message."""
+
+    fields: int
+    counts: Mapping[str, int]
+    read: int = 0
+
+    def tick(self, path: str, n: int = 1) -> None:
+        self.read += n
+        if self.read > self.fields:
+            raise ProtoError(path, f"the body holds more than {self.fields} fields")
+
+    def check(self, field: Field, seen: dict[str, int], path: str) -> None:
+        """One more element of `field` in this message (map entries count, repeated keys too)."""
+        if not field.cap:
+            return
+        count = seen[field.name] = seen.get(field.name, 0) + 1
+        cap = self.counts.get(field.cap)
+        if cap is not None and count > cap:
+            raise ProtoError(path, f"more than {cap} {field.name} entries")
+
 
 # --- reading --------------------------------------------------------------------------------
 
@@ -157,16 +187,18 @@ def _absent(field: Field) -> Any:
     return None if field.kind == "message" or field.oneof else _DEFAULT[field.kind]
 
 
-def _read(buf: memoryview, schema: Schema, path: str) -> dict[str, Any]:
-    """Parse one message into a dict keyed by field name.
+def _read(buf: memoryview, schema: Schema, path: str, caps: Caps) -> dict[str, Any]:
+    """Parse one message into a dict keyed by field name, within `caps`.
 
     Absent scalars take their proto3 default, absent messages are None, repeated fields are
     lists and maps are dicts; bytes are zero-copy memoryviews into `buf`.
     """
     out: dict[str, Any] = {f.name: _absent(f) for f in schema.values()}
     singular_messages: dict[str, tuple[Field, list[memoryview]]] = {}
+    seen: dict[str, int] = {}  # elements of each capped field
     pos = 0
     while pos < len(buf):
+        caps.tick(path or "body")
         tag, pos = _varint(buf, pos, path or "body")
         number, wire = tag >> 3, tag & 7
         field = schema.get(number)
@@ -184,9 +216,12 @@ def _read(buf: memoryview, schema: Schema, path: str) -> dict[str, Any]:
         if field.repeated and wire == LEN and _WIRE[field.kind] == VARINT:
             size, pos = _length(buf, pos, here)  # packed
             end = pos + size
+            values = out[field.name]
             while pos < end:
+                caps.tick(here)
                 value, pos = _scalar(field.kind, buf[:end], pos, here)
-                out[field.name].append(value)
+                values.append(value)
+                caps.check(field, seen, here)
             continue
         if wire != _WIRE[field.kind]:
             raise ProtoError(here, f"wire type {wire}, expected {_WIRE[field.kind]}")
@@ -196,32 +231,38 @@ def _read(buf: memoryview, schema: Schema, path: str) -> dict[str, Any]:
             pos += size
             if field.repeated:
                 index = len(out[field.name])
+                caps.check(field, seen, here)
                 assert field.message is not None
-                out[field.name].append(_read(raw, field.message, f"{here}[{index}]"))
+                out[field.name].append(_read(raw, field.message, f"{here}[{index}]", caps))
             else:
-                singular_messages.setdefault(field.name, (field, []))[1].append(raw)
+                parts = singular_messages.setdefault(field.name, (field, []))[1]
+                if len(parts) >= MAX_MERGES:
+                    raise ProtoError(here, f"set more than {MAX_MERGES} times")
+                parts.append(raw)
         elif field.kind == "map":
             size, pos = _length(buf, pos, here)
+            caps.check(field, seen, here)
             entry_path = f"{here}[{len(out[field.name])}]"
             value_field = Field("value", field.value, message=field.message)
             entry = _read(
-                buf[pos : pos + size], {1: Field("key", "string"), 2: value_field}, entry_path
+                buf[pos : pos + size], {1: Field("key", "string"), 2: value_field}, entry_path, caps
             )
             pos += size
             if entry["value"] is None:  # an entry without its message value: the empty message
                 assert field.message is not None
-                entry["value"] = _read(memoryview(b""), field.message, entry_path)
+                entry["value"] = _read(memoryview(b""), field.message, entry_path, caps)
             out[field.name][entry["key"]] = entry["value"]
         else:
             value, pos = _scalar(field.kind, buf, pos, here)
             if field.repeated:
                 out[field.name].append(value)
+                caps.check(field, seen, here)
             else:
                 out[field.name] = value
     for name, (field, parts) in singular_messages.items():
         assert field.message is not None
         raw = parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
-        out[name] = _read(raw, field.message, f"{path}.{name}" if path else name)
+        out[name] = _read(raw, field.message, f"{path}.{name}" if path else name, caps)
     return out
 
 
@@ -279,9 +320,9 @@ def _write(msg: Mapping[str, Any], schema: Schema) -> bytes:
     return bytes(out)
 
 
-def read_message(body: bytes, schema: Schema) -> dict[str, Any]:
-    """Parse a whole body as one message laid out as `schema` (see `_read`)."""
-    return _read(memoryview(body), schema, "")
+def read_message(body: bytes, schema: Schema, caps: Caps | None = None) -> dict[str, Any]:
+    """Parse a whole body as one message laid out as `schema` (see `_read`), within `caps`."""
+    return _read(memoryview(body), schema, "", caps or Caps(1 << 62, {}))
 
 
 def write_message(msg: Mapping[str, Any], schema: Schema) -> bytes:

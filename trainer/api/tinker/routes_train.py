@@ -39,25 +39,10 @@ from trainer.api.tinker.routes import (
     seq_id_of,
 )
 from trainer.api.tinker.sampling import new_sampler
-from trainer.serving.bodies import too_large
 from trainer.serving.errors import bad_request, not_found
 from trainer.serving.operations import vocab_size_of
 
 router = APIRouter()
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise too_large(limit, declared)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def tensor_json(value: Any) -> dict[str, Any]:
@@ -94,13 +79,10 @@ async def forward_backward(request: Request) -> dict[str, Any]:
                 "proto_compress_fwdbwd false)",
                 "Content-Encoding",
             )
-        raw = await read_body(request, limit)
-        try:
-            req = await run_in_threadpool(proto.decode_forward_backward_request, raw)
-        except proto.ProtoError as exc:
-            raise bad_request(f"{exc.field}: {exc}", exc.field) from None
+        # decoded within the models' bounds, off the event loop (large: in the body parser)
+        req = await json_object(request, limit, arrays=True, decoder=proto.DECODER)
     else:
-        req = await json_object(request, limit)
+        req = await json_object(request, limit, arrays=True)
     model_id = req.get("model_id")
     if not isinstance(model_id, str) or not model_id:
         raise bad_request("model_id: required", "model_id")
