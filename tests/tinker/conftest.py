@@ -25,9 +25,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.api.conftest import TOKEN, LiveServer, serve_in_thread
+from tests.tinker import tinker_http as th
 from tests.tinker.venv import tinker_python
 from trainer.tiny import TinySpec, save_model
 
@@ -155,3 +157,23 @@ def run_in_venv(
     assert lines, f"{argv} printed no JSON\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     result: dict[str, Any] = json.loads(lines[-1])
     return result
+
+
+# A worker on the tiny model for one test module, its raw-HTTP client and a Tinker model on it
+# (test modules that need another set-up define their own `live`).
+@pytest.fixture(scope="module")
+def live(tiny_qwen_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    storage = tmp_path_factory.mktemp("tinker-live")
+    with serve_in_thread(storage, {th.BASE: tiny_qwen_dir}) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def http(live: LiveServer) -> Iterator[httpx.Client]:
+    with th.client(live) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model(http: httpx.Client) -> str:
+    return th.new_model(http)

@@ -5,13 +5,9 @@ external checkpoints) and deleted."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import httpx
-import pytest
 
-from tests.api.conftest import LiveServer, serve_in_thread
+from tests.api.conftest import LiveServer
 from tests.tinker import tinker_http as th
 
 SAVES = {
@@ -36,24 +32,6 @@ BAD_NAMES = [
     "x" * 201,
 ]
 GOOD_NAMES = ["a", "0", "step_1", "v-1:2", "A9z", "x" * 200]
-
-
-@pytest.fixture(scope="module")
-def live(tiny_qwen_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    storage = tmp_path_factory.mktemp("tinker-names")
-    with serve_in_thread(storage, {th.BASE: tiny_qwen_dir}) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def http(live: LiveServer) -> Iterator[httpx.Client]:
-    with th.client(live) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def model(http: httpx.Client) -> str:
-    return th.new_model(http)
 
 
 def test_names_no_route_can_address_are_refused(

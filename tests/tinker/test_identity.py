@@ -11,32 +11,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.api.conftest import LiveServer, serve_in_thread
+from tests.api.conftest import LiveServer
 from tests.tinker import tinker_http as th
 from trainer.api.tinker import proto
 
 KEY = "X-Idempotency-Key"
-
-
-@pytest.fixture(scope="module")
-def live(tiny_qwen_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    storage = tmp_path_factory.mktemp("tinker-identity")
-    with serve_in_thread(storage, {th.BASE: tiny_qwen_dir}) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def http(live: LiveServer) -> Iterator[httpx.Client]:
-    with th.client(live) as client:
-        yield client
 
 
 def sample(tokens: list[int], count: int, seq_id: int | None = 0, **target: str) -> dict:

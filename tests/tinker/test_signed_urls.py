@@ -4,38 +4,18 @@ face's checkpoint downloads and payload uploads."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.api.conftest import LiveServer, serve_in_thread
+from tests.api.conftest import LiveServer
 from tests.tinker import tinker_http as th
 from trainer.api.http import base_url
 from trainer.api.tinker.records import TinkerCheckpoint, TinkerModel
 
 FORGED = {"Host": "evil.example:666"}
-
-
-@pytest.fixture(scope="module")
-def live(tiny_qwen_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    storage = tmp_path_factory.mktemp("tinker-urls")
-    with serve_in_thread(storage, {th.BASE: tiny_qwen_dir}) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def http(live: LiveServer) -> Iterator[httpx.Client]:
-    with th.client(live) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def model(http: httpx.Client) -> str:
-    return th.new_model(http)
 
 
 def test_a_forged_host_gets_urls_on_the_bound_address(

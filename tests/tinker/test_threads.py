@@ -17,33 +17,18 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import httpx
-import pytest
 
-from tests.api.conftest import LiveServer, serve_in_thread
+from tests.api.conftest import LiveServer
 from tests.tinker import tinker_http as th
 from trainer.api.tinker import sampling
 from trainer.api.tinker.records import TinkerModel, TinkerSampler, TinkerSession
 from trainer.serving.catalogue import SES_RUNNING, SessionRow
-
-
-@pytest.fixture(scope="module")
-def live(tiny_qwen_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    storage = tmp_path_factory.mktemp("tinker-threads")
-    with serve_in_thread(storage, {th.BASE: tiny_qwen_dir}) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def http(live: LiveServer) -> Iterator[httpx.Client]:
-    with th.client(live) as client:
-        yield client
 
 
 def prompt_body(**target: Any) -> dict[str, Any]:
