@@ -33,17 +33,6 @@ def live(tiny_qwen_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         yield server
 
 
-@pytest.fixture(scope="module")
-def http(live: LiveServer) -> Iterator[httpx.Client]:
-    with th.client(live) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def model(http: httpx.Client) -> str:
-    return th.new_model(http)
-
-
 def _chunks(*parts: list[int]) -> dict[str, Any]:
     return {"chunks": [{"type": "encoded_text", "tokens": part} for part in parts]}
 

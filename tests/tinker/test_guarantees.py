@@ -60,17 +60,6 @@ def live(tiny_qwen_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         yield server
 
 
-@pytest.fixture(scope="module")
-def http(live: LiveServer) -> Iterator[httpx.Client]:
-    with th.client(live) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def model(http: httpx.Client) -> str:
-    return th.new_model(http)
-
-
 def concrete(path: str) -> str:
     """The path with its parameters filled (a checkpoint id has the shape `weights/<name>`)."""
     return re.sub(r"\{[^}]+\}", "x", path.replace("{checkpoint_id}", "weights/x"))

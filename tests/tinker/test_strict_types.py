@@ -59,17 +59,6 @@ def live(tiny_qwen_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         yield server
 
 
-@pytest.fixture(scope="module")
-def http(live: LiveServer) -> Iterator[httpx.Client]:
-    with th.client(live) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def model(http: httpx.Client) -> str:
-    return th.new_model(http)
-
-
 def _filled(value: Any, model: str) -> Any:
     """`value` with the model and its session put in the placeholders."""
     if isinstance(value, dict):
