@@ -8,6 +8,7 @@ against a plain transformers forward).
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import uuid
@@ -44,10 +45,24 @@ KNOBS: dict[tuple[str, str], tuple[Any, Any]] = {
     ("engine", "routes_max_bytes"): (4096, 8192),
     ("distributed", "cpu_offload"): (True, False),
     ("distributed", "collective_timeout_s"): (8.5, 42.0),
+    ("generator", "backend"): ("vllm", "hf"),
+    ("generator", "python"): ("/opt/vllm/bin/python", "/usr/bin/python3"),
+    ("generator", "dtype"): ("bfloat16", "float32"),
+    ("generator", "max_model_len"): (1024, 2048),
+    ("generator", "gpu_memory_utilization"): (0.5, 0.6),
+    ("generator", "kv_cache_gib"): (2, 3),
+    ("generator", "max_loras"): (4, 16),
+    ("generator", "max_lora_rank"): (32, 128),
+    ("generator", "enforce_eager"): (False, True),
+    ("generator", "threads"): (2, 4),
+    ("generator", "start_timeout_s"): (30.0, 60.5),
+    ("generator", "extra_engine_args"): ({"block_size": 16}, {"seed": 3}),
 }
 
 
 def _toml_value(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
     if isinstance(value, bool):
         return "true" if value else "false"
     return f'"{value}"' if isinstance(value, str) else str(value)
@@ -57,7 +72,7 @@ def _flag_args(section: str, key: str, value: Any) -> list[str]:
     flag = f"--{section}-{key.replace('_', '-')}"
     if isinstance(value, bool):
         return [flag if value else f"--no-{flag[2:]}"]
-    return [flag, str(value)]
+    return [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
 
 
 def _config(tmp_path: Path, toml: str, *flags: str) -> ServeConfig:

@@ -12,12 +12,10 @@ other declared requirements and the `math-rl` extra.
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import os
 import subprocess
-import sys
 from pathlib import Path
+
+from tests import cached_venv
 
 TINKER = "tinker==0.38.0"
 COOKBOOK = "tinker-cookbook==0.6.1"
@@ -42,29 +40,17 @@ _PINS = (TINKER, COOKBOOK, *COOKBOOK_DEPS)
 
 
 def venv_dir() -> Path:
-    digest = hashlib.sha256("\n".join((sys.version, *_PINS)).encode()).hexdigest()[:12]
-    root = Path(os.environ.get("TRAINER_TEST_CACHE", Path.home() / ".cache" / "trainer-tests"))
-    return root / f"tinker-venv-{digest}"
+    return cached_venv.venv_dir("tinker", _PINS)
 
 
 def tinker_python() -> Path:
-    """The venv's python (built on first use; a file lock keeps parallel builders apart)."""
-    where = venv_dir()
-    python = where / "bin" / "python"
-    done = where / ".complete"
-    where.parent.mkdir(parents=True, exist_ok=True)
-    with open(where.parent / f"{where.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if done.exists():
-            return python
-        subprocess.run(
-            [sys.executable, "-m", "venv", "--clear", "--system-site-packages", str(where)],
-            check=True,
-        )
+    """The venv's python (built on first use)."""
+
+    def fill(python: Path) -> None:
         pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
         subprocess.run([*pip, TINKER], check=True)
         subprocess.run([*pip, "--no-deps", COOKBOOK], check=True)
         subprocess.run([*pip, *COOKBOOK_DEPS], check=True)
         subprocess.run([str(python), "-c", "import tinker, tinker_cookbook"], check=True)
-        done.touch()
-    return python
+
+    return cached_venv.cached_python(venv_dir(), fill, system_site_packages=True)

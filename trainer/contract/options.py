@@ -10,12 +10,15 @@ neither the TOML nor the command line sets (`ENV_FALLBACKS`).
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import types
 import typing
 from typing import Any, Literal
 
 from pydantic import Field
 
+from trainer.contract.generation import GeneratorOptions
 from trainer.contract.specs import StrictSpec
 
 ROW_TOKENS = 2048
@@ -99,6 +102,7 @@ ENV_FALLBACKS: dict[tuple[str, str], str] = {
 SECTIONS: dict[str, type[StrictSpec]] = {
     "engine": EngineOptions,
     "distributed": DistributedOptions,
+    "generator": GeneratorOptions,
 }
 
 
@@ -139,7 +143,7 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
                 )
                 continue
             choices = typing.get_args(info.annotation) if _is_literal(info.annotation) else None
-            kind: Any = str if choices else info.annotation
+            kind: Any = str if choices else _flag_type(info.annotation)
             group.add_argument(
                 _flag(section, key),
                 dest=dest,
@@ -148,6 +152,18 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
                 metavar=None if choices else key.upper(),
                 help=help_text,
             )
+
+
+def _flag_type(annotation: Any) -> Any:
+    """How a flag's text becomes the field's value: JSON for a table (`extra_engine_args`),
+    the type itself for a scalar, and the inner type of an optional one."""
+    origin = typing.get_origin(annotation)
+    if annotation is dict or origin is dict:
+        return json.loads
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _flag_type(inner[0]) if len(inner) == 1 else str
+    return annotation
 
 
 def _is_literal(annotation: Any) -> bool:

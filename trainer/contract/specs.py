@@ -28,6 +28,7 @@ from pydantic import (
 from trainer.contract.arrays import ArrayOrList, IntArray, NumArray, as_int64, tensor_values
 from trainer.contract.base import Spec as Spec
 from trainer.contract.base import StrictSpec as StrictSpec
+from trainer.contract.generation import GeneratorOptions
 from trainer.contract.losses import LOSS_SPECS as LOSS_SPECS
 from trainer.contract.losses import CispoParams as CispoParams
 from trainer.contract.losses import CrossEntropyParams as CrossEntropyParams
@@ -219,6 +220,9 @@ class ModelEntry(StrictSpec):
     )
     trust_remote_code: bool = False
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    generator: GeneratorOptions | None = Field(
+        default=None, description="this model's own `[generator]` keys (over the worker's)"
+    )
 
 
 class ComputeConfig(Spec):

@@ -143,6 +143,9 @@ class Generator(abc.ABC):
         """In the session's operation: each prompt's `num_samples` sequences on the served
         weights, their token choices drawn from a generator seeded with `seed`."""
 
+    def close(self) -> None:  # noqa: B027 - most generators hold nothing of their own
+        """Release what serving this session's samples holds (nothing, unless replicas)."""
+
     def sample(self, session: SamplingSession, call: SampleCall) -> dict[str, Any]:
         """The sample operation's answer: the call alone, or, where this generator batches
         concurrent sessions' samples, with them."""

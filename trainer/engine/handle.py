@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from trainer.checkpoint.store import CheckpointStore
     from trainer.contract.specs import ModelEntry, ResourceSpec
     from trainer.engine.batching.pass_scheduler import PassScheduler
+    from trainer.engine.replicas import ReplicaPool
 
 
 class ResourceHandle(SharingResource, Protocol):
@@ -23,6 +24,7 @@ class ResourceHandle(SharingResource, Protocol):
     vocab_size: int
     eos_ids: set[int]
     has_generator: bool
+    replicas: ReplicaPool | None  # the vLLM replicas serving its samples, if it runs some
     # the batcher of concurrent samples (`sample_batch.SampleBatcher`, which this module does
     # not import: it sits above it), made by the first sample that may join one
     sample_batcher: object | None

@@ -37,11 +37,6 @@ if TYPE_CHECKING:
     from trainer.engine.handle import ResourceHandle
 
 
-def generator_for(resource: ResourceHandle, policy: Policy) -> Generator:
-    """The generator of a session of `resource` training `policy`."""
-    return InProcessGenerator(resource, policy)
-
-
 class InProcessGenerator(Generator):
     """The module docstring."""
 

@@ -30,12 +30,14 @@ from trainer.compute.model import (
 from trainer.compute.placement import Placement, Plain
 from trainer.compute.policy import LoraPolicy, Policy, SharedPeft, layout_like
 from trainer.contract.errors import OperationError, invalid
+from trainer.contract.generation import GeneratorOptions
 from trainer.contract.optimizer import optimizer_kind
 from trainer.contract.options import EngineOptions
 from trainer.contract.specs import LoraConfig, ModelEntry, ResourceSpec, SessionSpec
 from trainer.engine.batching.eligibility import model_has_dropout
 from trainer.engine.batching.pass_scheduler import PassScheduler
 from trainer.engine.batching.sample_batch import sample_counters
+from trainer.engine.replicas import ReplicaPool, start_replicas
 from trainer.engine.session import TrainingSession
 
 
@@ -89,6 +91,20 @@ class ModelResource:
         self.eos_ids: set[int] = set(
             eos if isinstance(eos, list) else [eos] if eos is not None else []
         )
+        # the vLLM replicas that serve this resource's samples (`[generator] backend`)
+        self.replicas: ReplicaPool | None = None
+        generation = self.entry.generator or GeneratorOptions()
+        if self.has_generator and generation.backend == "vllm":
+            if self.comm.world_size > 1:
+                raise ValueError("the vLLM generator backend runs in one process, not torchrun")
+            self.replicas = start_replicas(
+                self.entry,
+                generation,
+                count=spec.compute_config.num_generator_replicas,
+                lora=self.lora,
+                tokenizer=self.tokenizer is not None,
+                device=self.device,
+            )
 
     def _draw_seed(self) -> int:
         """A fresh session seed when the spec gives none: rank 0 draws, every rank uses it
@@ -284,7 +300,7 @@ class ModelResource:
         closes it and names `field`."""
         try:
             load()
-            session.policy.publish()
+            session.generator.publish()
         except ValueError as exc:
             session.close()
             raise invalid(field, str(exc)) from None
@@ -300,10 +316,20 @@ class ModelResource:
         """The batching counters of this resource: passes and sample batches."""
         return {**self.scheduler.counters(), **sample_counters(self)}
 
+    def generator_status(self) -> dict[str, Any]:
+        """What serves samples: the backend, and each replica's state when there are some."""
+        if not self.has_generator:
+            return {"backend": None}
+        if self.replicas is None:
+            return {"backend": "hf"}
+        return {"backend": "vllm", "replicas": self.replicas.status()}
+
     def close(self) -> None:
         with self.lock:
             for session_id in list(self.sessions):
                 self.close_session(session_id)
+            if self.replicas is not None:
+                self.replicas.close()
             self.model = None  # type: ignore[assignment]
             self.peft.close()
             if torch.cuda.is_available():

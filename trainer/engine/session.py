@@ -35,9 +35,9 @@ from trainer.contract.specs import (
     SamplingParams,
     SessionSpec,
 )
+from trainer.engine.backends import generator_for
 from trainer.engine.batching.work import GradStash, WorkItem
 from trainer.engine.generator import Generator, Undo, Versions, sync_weights
-from trainer.engine.in_process import generator_for
 from trainer.engine.moe_replay_keys import attach_routed_experts
 from trainer.engine.tracking import worker_run
 
@@ -77,7 +77,7 @@ class TrainingSession:
     generator: Generator = field(init=False, repr=False, compare=False)  # serves its samples
 
     def __post_init__(self) -> None:
-        self.generator = generator_for(self.resource, self.policy)
+        self.generator = generator_for(self.resource, self.policy, self.id)
         config = self.resource.spec.optimizer_config
         self.optimizer: torch.optim.Optimizer = (
             new_muon(
@@ -388,6 +388,7 @@ class TrainingSession:
             self.optimizer.state.clear()
             for param in self.policy.trainable.values():
                 param.grad = None
+            self.generator.close()
             self.policy.close()
             if self.tracker is not None:
                 self.tracker.finish()

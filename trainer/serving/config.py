@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from trainer.contract.generation import GeneratorOptions
 from trainer.contract.options import DistributedOptions, EngineOptions
 from trainer.contract.specs import ModelEntry, StrictSpec
 
@@ -74,6 +75,10 @@ class ServeConfig(StrictSpec):
     distributed: DistributedOptions = Field(
         default_factory=DistributedOptions, description="knobs that apply under torchrun"
     )
+    generator: GeneratorOptions = Field(
+        default_factory=GeneratorOptions,
+        description="what serves samples (a model's own `generator` table overrides keys)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:
@@ -81,6 +86,11 @@ class ServeConfig(StrictSpec):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"model: duplicate names {duplicates}")
+        # each entry carries its effective generator options: the worker's, its own over them
+        self.models = [
+            m.model_copy(update={"generator": self.generator.over(m.generator)})
+            for m in self.models
+        ]
         return self
 
     def model(self, name: str) -> ModelEntry | None:

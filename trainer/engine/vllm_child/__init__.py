@@ -1,0 +1,4 @@
+"""The program a vLLM generator replica runs (`vllm_replica.py`), in vLLM's own environment.
+
+Its folder holds nothing else: it is the child's import path (a module of the worker beside it,
+`resource.py` say, would shadow the standard library's of the same name)."""

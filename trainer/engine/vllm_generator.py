@@ -1,0 +1,241 @@
+"""The vLLM generator: a session's samples from the resource's vLLM replicas
+(`trainer/engine/replicas.py`), with the session's published weights synced in.
+
+The policy's published copy in this process stays the source of truth (`InProcessGenerator`
+keeps it): publishing and serving a snapshot update it exactly as in-process, then push it to
+every replica — a LoRA session's adapter as a PEFT directory loaded under a new adapter id
+(its name carries the session and the weights version), a full-weight session's weights in
+place (the whole model, so packed q/k/v and gate/up groups always move together). Undoing a
+serve swaps the copy back and pushes it again. What the copy serves besides: prompt
+logprobs (teacher-forced on the published weights, as in-process), and samples that record
+MoE routes (`return_routed_experts`), which run on the in-process loop (this vLLM version
+returns no routed experts).
+
+A sample holds the resource's lock only to apply a pending publish, draw its seed and compute
+prompt logprobs; the generation itself runs on a replica without it, so training and other
+sessions' samples go on meanwhile, and vLLM batches concurrent samples of any sessions
+(continuous batching: each returns when its own rows are done). A failed generation puts the
+session back as it was (RNG stream, versions, the pending publish). Design notes:
+`docs/design/vllm.md`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import math
+import shutil
+import threading
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import save_file
+
+from trainer.compute import sampler
+from trainer.contract.errors import OperationError
+from trainer.engine.generator import (
+    PromptSamples,
+    SampleCall,
+    SamplingSession,
+    answer,
+    apply_pending,
+    sample_alone,
+)
+from trainer.engine.in_process import InProcessGenerator
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from trainer.compute.policy import Policy
+    from trainer.engine.generator import Weights
+    from trainer.engine.handle import ResourceHandle
+    from trainer.engine.replicas import ReplicaPool
+
+_ADAPTER_IDS = itertools.count(1)  # vLLM's adapter ids: unique in this worker
+_IDS_LOCK = threading.Lock()
+_ROW_SEED_STEP = 0x9E3779B97F4A7C15
+
+
+def row_seed(seed: int, row: int) -> int:
+    """Row `row`'s own seed of a call seeded `seed`: the same call gives the same tokens."""
+    return (seed + row * _ROW_SEED_STEP) % (1 << 63)
+
+
+class VllmGenerator(InProcessGenerator):
+    """The module docstring."""
+
+    def __init__(
+        self, resource: ResourceHandle, policy: Policy, pool: ReplicaPool, name: str
+    ) -> None:
+        super().__init__(resource, policy)
+        self.pool = pool
+        self.name = name
+        self.pushes = 0
+        self.served: dict[str, Any] | None = None  # the adapter the replicas serve (LoRA)
+        self.served_dir: Path | None = None
+        self.finite = True
+        self._push()
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def publish(self) -> None:
+        super().publish()
+        self._push()
+
+    def serve(self, snapshot: Weights) -> Callable[[], None]:
+        swap_back = super().serve(snapshot)
+
+        def undo() -> None:
+            swap_back()
+            self._push()
+
+        self._push()
+        return undo
+
+    def _push(self) -> None:
+        """The published copy to every replica (the module docstring). Non-finite weights are
+        not pushed: their samples fail with NON_FINITE_LOSS before reaching a replica."""
+        tensors = self.policy.published_tensors()
+        if not tensors:
+            return
+        self.finite = all(bool(torch.isfinite(t).all()) for t in tensors.values())
+        if not self.finite:
+            return
+        self.pushes += 1
+        old, old_dir = self.served, self.served_dir
+        directory = self.pool.workdir / f"{self.name}-{self.pushes}"
+        directory.mkdir(parents=True)
+        if self.policy.kind == "lora":
+            self._write_adapter(tensors, directory)
+            with _IDS_LOCK:
+                adapter_id = next(_ADAPTER_IDS)
+            adapter = {
+                "name": f"{self.name}@{self.pushes}",
+                "id": adapter_id,
+                "path": str(directory),
+            }
+            self.pool.load_adapter(adapter)
+            self.served, self.served_dir = adapter, directory
+            if old is not None:
+                self.pool.drop_adapter(int(old["id"]))
+        else:
+            weights = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+            save_file(weights, str(directory / "model.safetensors"))
+            self.pool.load_weights(directory)
+            self.served_dir = directory
+        if old_dir is not None:
+            shutil.rmtree(old_dir, ignore_errors=True)
+
+    def _write_adapter(self, tensors: Weights, directory: Path) -> None:
+        from trainer.compute.policy import LoraPolicy
+
+        assert isinstance(self.policy, LoraPolicy)
+        config = self.policy.peft_config_dict()
+        config["base_model_name_or_path"] = str(self.pool.model_path)
+        weights = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+        save_file(weights, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (directory / "adapter_config.json").write_text(json.dumps(config))
+
+    def close(self) -> None:
+        """Drop the session's adapter from the replicas, and its files."""
+        if self.served is not None:
+            with contextlib.suppress(Exception):  # replicas already gone: nothing to drop
+                self.pool.drop_adapter(int(self.served["id"]))
+            self.served = None
+        if self.served_dir is not None:
+            shutil.rmtree(self.served_dir, ignore_errors=True)
+            self.served_dir = None
+
+    # -- samples ---------------------------------------------------------------------------
+
+    def sample(self, session: SamplingSession, call: SampleCall) -> dict[str, Any]:
+        if call.return_routed_experts:  # routes are recorded by the in-process loop only
+            return sample_alone(session, call)
+        rng_before = session.cpu_rng.clone()
+        versions_before = replace(session.versions)
+        with session.operation_scope() as undo:
+            apply_pending(session, undo)
+            seed = sampler.draw_seed(call.params.seed)
+            version = session.versions.applied_weights_version
+            adapter, finite = self.served, self.finite
+            samples = self._prompt_samples(call)
+        try:
+            if not finite:
+                raise OperationError(
+                    "NON_FINITE_LOSS",
+                    f"session {session.id}: its published weights are not finite, so its "
+                    "samples would be garbage",
+                )
+            groups = self._generate(call, seed, adapter)
+            for got, group in zip(samples, groups, strict=True):
+                got.sequences = group
+            return answer(session, call, samples, version)
+        except BaseException:
+            with session.resource.lock:
+                for action in reversed(undo):
+                    action()
+                session.versions = versions_before
+                session.cpu_rng = rng_before
+            raise
+
+    def generate(self, call: SampleCall, seed: int) -> list[PromptSamples]:
+        """On a replica (`sample_alone`'s path: routing-replay samples stay in-process)."""
+        if call.return_routed_experts:
+            return super().generate(call, seed)
+        samples = self._prompt_samples(call)
+        for got, group in zip(samples, self._generate(call, seed, self.served), strict=True):
+            got.sequences = group
+        return samples
+
+    def _prompt_samples(self, call: SampleCall) -> list[PromptSamples]:
+        groups: list[list[sampler.Sequence]] = [[] for _ in call.prompts]
+        if not (call.prompt_logprobs or call.topk_prompt_logprobs):
+            return [PromptSamples(group) for group in groups]
+        with torch.no_grad(), self._resharding(), self.policy.published() as model:
+            return self.prompt_samples(call, groups, model)
+
+    def _generate(
+        self, call: SampleCall, seed: int, adapter: dict[str, Any] | None
+    ) -> list[list[sampler.Sequence]]:
+        n = call.num_samples
+        rows = [
+            {"prompt": prompt, "seed": row_seed(seed, i * n + j), "adapter": adapter}
+            for i, prompt in enumerate(call.prompts)
+            for j in range(n)
+        ]
+        stops = call.params.stop
+        if stops and self.pool.tokenizer is None:
+            raise OperationError(
+                "INVALID_INPUT", "sampling_params.stop: stop strings need a tokenizer"
+            )
+        params = {
+            "temperature": call.params.temperature,
+            "top_p": call.params.top_p,
+            "top_k": call.params.top_k,
+            "max_tokens": call.params.max_tokens,
+            "stop": stops,
+            "stop_token_ids": sorted(call.eos_ids),
+        }
+        got = self.pool.generate(rows, params)
+        groups: list[list[sampler.Sequence]] = []
+        for i in range(len(call.prompts)):
+            group = []
+            for row in got[i * n : (i + 1) * n]:
+                if not all(math.isfinite(lp) for lp in row["logprobs"]):
+                    raise OperationError(
+                        "NON_FINITE_LOSS",
+                        "the session's published weights give non-finite logits",
+                    )
+                stopped = row["finish"] == "stop"
+                group.append(
+                    sampler.Sequence(
+                        tokens=list(row["tokens"]),
+                        logprobs=list(row["logprobs"]),
+                        stop_reason=sampler.STOP_STOP if stopped else sampler.STOP_LENGTH,
+                    )
+                )
+            groups.append(group)
+        return groups
