@@ -176,6 +176,10 @@ def create_app(worker: Worker, token: str | None) -> FastAPI:
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
-        return {"status": "draining" if worker.draining else "ok"}
+        health: dict[str, Any] = {"status": "draining" if worker.draining else "ok"}
+        replicas = worker.generator_health()
+        if replicas:  # vLLM generator replicas by state: {"healthy": 2, "restarting": 1}
+            health["generator_replicas"] = replicas
+        return health
 
     return app

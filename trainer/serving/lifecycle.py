@@ -185,6 +185,10 @@ class ResourceManager:
         )
         _settle(live)
 
+    def live_resources(self) -> list[LiveResource]:
+        with self.lock:
+            return list(self.live.values())
+
     def get_live(self, resource_id: str) -> LiveResource | None:
         with self.lock:
             return self.live.get(resource_id)

@@ -29,7 +29,9 @@ def _drop_none(value: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in value.items() if v is not None}
 
 
-def resource_json(row: ResourceRow) -> dict[str, Any]:
+def resource_json(row: ResourceRow, details: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The SDK's `ModelResource`; `status_details` carries what serves its samples when the
+    resource is live (`{"generator": {"backend", "replicas": [...]}}`)."""
     spec = row.spec
     compute = _drop_none(dict(spec.get("compute_config") or {}))
     compute.setdefault("num_generator_replicas", 1)
@@ -44,7 +46,7 @@ def resource_json(row: ResourceRow) -> dict[str, Any]:
             "inactive_timeout": int(spec.get("inactive_timeout", 3600)),
             "expires_at": iso(row.expires_at),
             "status": row.status,
-            "status_details": {},
+            "status_details": details or {},
             "error": _error(row.error),
             "created_at": iso(row.created_at),
             "updated_at": iso(row.updated_at),

@@ -128,6 +128,22 @@ class Worker:
         live = self.resources.get_live(resource_id)
         return None if live is None else live.loaded
 
+    def generator_details(self, resource_id: str) -> dict[str, Any]:
+        """What serves a live resource's samples (its replicas' states), for `status_details`."""
+        live = self.resources.get_live(resource_id)
+        if live is None or live.engine is None or live.stopped:
+            return {}
+        return {"generator": live.engine.generator_status()}
+
+    def generator_health(self) -> dict[str, int]:
+        """Counts of the live resources' vLLM replicas by state, for `/healthz`."""
+        counts: dict[str, int] = {}
+        for live in self.resources.live_resources():
+            status = live.engine.generator_status() if live.engine is not None else {}
+            for replica in status.get("replicas", []):
+                counts[replica["state"].lower()] = counts.get(replica["state"].lower(), 0) + 1
+        return counts
+
     def resource(self, resource_id: str) -> ResourceRow:
         row = self.store.get(ResourceRow, resource_id)
         if row is None:

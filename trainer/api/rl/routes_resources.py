@@ -78,7 +78,7 @@ async def create_resource(request: Request, body: CreateResourceBody) -> dict[st
             await asyncio.wait_for(
                 asyncio.shield(asyncio.wrap_future(loaded)), worker.config.resource_create_wait_s
             )
-    return resource_json(worker.resource(row.id))
+    return resource_json(worker.resource(row.id), worker.generator_details(row.id))
 
 
 @router.post("/rl/model-resources/estimate-cost")
@@ -106,7 +106,10 @@ async def list_resources(
 
 @router.get("/rl/model-resources/{model_resources_id}")
 async def get_resource(request: Request, model_resources_id: str) -> dict[str, Any]:
-    return resource_json(worker_of(request).resource(model_resources_id))
+    worker = worker_of(request)
+    return resource_json(
+        worker.resource(model_resources_id), worker.generator_details(model_resources_id)
+    )
 
 
 @router.post("/rl/model-resources/{model_resources_id}/extend-expiry")
