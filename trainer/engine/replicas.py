@@ -115,6 +115,7 @@ class Replica:
         self.pid: int | None = None
         self.restarts = 0
         self.rows_in_flight = 0
+        self.samples = 0  # sample calls it answered
         self._conn: socket.socket | None = None
         self._send_lock = threading.Lock()
         self._pending: dict[str, Future[dict[str, Any]]] = {}
@@ -368,6 +369,7 @@ class ReplicaPool:
                 "pid": r.pid,
                 "restarts": r.restarts,
                 "rows_in_flight": r.rows_in_flight,
+                "samples": r.samples,
             }
             for r in self.replicas
         ]
@@ -434,5 +436,6 @@ class ReplicaPool:
             raise OperationError(
                 "INTERNAL_ERROR", f"generator replica {replica.index}: {reply['error']}"
             )
+        replica.samples += 1
         result: list[dict[str, Any]] = reply["rows"]
         return result

@@ -1,0 +1,67 @@
+"""The official `tinker` SDK (0.38) runs an RL loop on a worker whose samples run on vLLM
+(`tinker_rl.py`): the sampler's logprobs of its own tokens and `compute_logprobs` equal the
+training client's forward within 1e-3, step after step, on a model with a tokenizer (vLLM
+initialises it too)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.api.conftest import LiveServer, serve_in_thread
+from tests.tinker.conftest import VOCAB, build_tokenizer, run_in_venv
+from tests.tinker.venv import tinker_python
+from trainer.tiny import TinySpec, save_model
+
+HERE = Path(__file__).parent
+BASE = "Qwen/Qwen3-8B"  # a name the SDK knows; the weights are a tiny Qwen3
+TOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def server(vllm_py: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    model = tmp_path_factory.mktemp("tinker-vllm-model")
+    spec = TinySpec(vocab=len(VOCAB), head_dim=32, tied=True, bos=None, eos=1, pad=0, scale=4.0)
+    save_model(spec, model)
+    build_tokenizer(model)
+    with serve_in_thread(
+        tmp_path_factory.mktemp("storage"),
+        {},
+        model=[{"name": BASE, "location": str(model)}],
+        generator={"backend": "vllm", "python": vllm_py, "dtype": "float32"},
+        resource_create_wait_s=120,
+    ) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def run(server: LiveServer) -> dict[str, Any]:
+    return run_in_venv(tinker_python(), server, [str(HERE / "tinker_rl.py"), BASE], timeout=600)
+
+
+def test_sampler_logprobs_equal_the_training_forward(run: dict[str, Any]) -> None:
+    prompt = run["prompt"]
+    for step in run["steps"]:
+        for seq, forward in zip(step["sequences"], step["trainer"], strict=True):
+            assert len(seq["tokens"]) >= 1
+            got = seq["logprobs"]
+            want = forward[len(prompt) - 1 :][: len(got)]
+            assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= TOL
+
+
+def test_compute_logprobs_equal_the_training_forward(run: dict[str, Any]) -> None:
+    for step in run["steps"]:
+        for computed, forward in zip(step["computed"], step["trainer"], strict=True):
+            assert computed[0] is None
+            assert max(abs(a - b) for a, b in zip(computed[1:], forward, strict=True)) <= TOL
+
+
+def test_the_samples_ran_on_the_vllm_replica(server: LiveServer, run: dict[str, Any]) -> None:
+    (live,) = server.worker.resources.live_resources()
+    assert live.engine is not None
+    (replica,) = live.engine.generator_status()["replicas"]
+    assert replica["state"] == "HEALTHY"
+    assert replica["samples"] >= len(run["steps"])
