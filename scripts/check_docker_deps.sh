@@ -12,4 +12,8 @@ print('\n'.join(p['dependencies'] + p['optional-dependencies']['wandb']))" > "$r
 grep -q '^torch' "$req"
 python3 -m pip install --quiet --dry-run --ignore-installed --report /dev/null -r "$req"
 echo "Dockerfile.cuda requirements resolve: $(wc -l < "$req") direct requirements"
+# the vLLM venv's pin exists (its own dependency tree, several GB, is vLLM's to resolve)
+vllm=$(sed -n 's/^ARG VLLM_VERSION=//p' Dockerfile.cuda)
+python3 -m pip install --quiet --dry-run --no-deps --ignore-installed --report /dev/null "vllm==$vllm"
+echo "Dockerfile.cuda vllm==$vllm is on the index"
 rm -f "$req"

@@ -299,3 +299,43 @@ def test_a_replica_that_cannot_start_names_vllms_reason(vllm_py: str, tmp_path: 
         _resource(narrow, tmp_path / "s1", vllm_py)
     with pytest.raises(ReplicaStartError, match="cannot run"):
         _resource(narrow, tmp_path / "s2", str(tmp_path / "no-such-python"))
+
+
+def test_stop_tokens_end_a_sequence_as_in_process(lora_pair: Any) -> None:
+    """A stop token ends the row with STOP_REASON_STOP and stays in its tokens, as in-process."""
+    served, twin = lora_pair
+    a, b = _session(served, "stop"), _session(twin, "stop")
+    _train(a, 90)
+    _train(b, 90)
+    greedy = _sequences(_sample(b))
+    stop = greedy[0][1][3]  # the 4th greedy token of the first prompt
+    got, want = _sample(a, stop_token_ids=[stop]), _sample(b, stop_token_ids=[stop])
+    _assert_agrees(got, want, a)
+    first = got["results"][0]["sequences"][0]
+    assert first["tokens"][-1] == stop and first["stop_reason"] == "STOP_REASON_STOP"
+    assert len(first["tokens"]) <= 4
+
+
+def test_stop_strings_on_a_model_with_a_tokenizer(
+    vllm_py: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """vLLM initialises the model's tokenizer and stops on a stop string where the in-process
+    loop does (the decoded text of the row's tokens contains it)."""
+    from tests.tinker.conftest import VOCAB, build_tokenizer
+    from trainer.tiny import TinySpec, save_model
+
+    root = tmp_path_factory.mktemp("worded")
+    spec = TinySpec(vocab=len(VOCAB), head_dim=32, tied=True, bos=None, eos=None, scale=4.0)
+    model = build_tokenizer(save_model(spec, root / "model"))
+    served = _resource(model, root / "vllm", vllm_py)
+    twin = _resource(model, root / "hf", None)
+    try:
+        a, b = _session(served, "w"), _session(twin, "w")
+        greedy = _sequences(_sample(b))
+        word = twin.tokenizer.decode([greedy[0][1][2]])
+        got, want = _sample(a, stop=[word]), _sample(b, stop=[word])
+        _assert_agrees(got, want, a)
+        assert got["results"][0]["sequences"][0]["stop_reason"] == "STOP_REASON_STOP"
+    finally:
+        served.close()
+        twin.close()

@@ -191,6 +191,7 @@ class Replica:
                 ignore_eos=True,  # the worker's EOS ids come in stop_token_ids
                 logprobs=0,
                 detokenize=bool(p["stop"]),
+                skip_special_tokens=False,  # stop strings see the text the in-process loop does
             )
             adapter = row.get("adapter")
             lora = self._lora(adapter) if adapter else None
