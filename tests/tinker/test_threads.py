@@ -99,8 +99,13 @@ def test_heartbeat_expiry_reclaims_models_samplers_and_threads(
     session = model.split(":")[0]
     saved = {"model_id": model, "path": "for-sampling", "sampling_session_seq_id": 0}
     sampler = th.ok(http, "/save_weights_for_sampler", saved)["sampling_session_id"]
-    assert "sequences" in th.ok(http, "/asample", prompt_body(sampling_session_id=sampler))
     record = bridge.db.get(TinkerSampler, sampler)
+    assert record.checkpoint_id in samplers.bound  # the training session publishes it
+    # a step and a later save publish newer weights: the first sampler needs a session of its own
+    th.ok(http, "/forward_backward", th.fb_body(model))
+    th.ok(http, "/optim_step", th.optim_body(model))
+    th.ok(http, "/save_weights_for_sampler", {"model_id": model, "path": "later"})
+    assert "sequences" in th.ok(http, "/asample", prompt_body(sampling_session_id=sampler))
     engine_sampler = samplers.open[record.checkpoint_id]
     engine_model = bridge.db.get(TinkerModel, model).session_id
     assert engine_running(live, engine_sampler) and engine_running(live, engine_model)
@@ -108,7 +113,7 @@ def test_heartbeat_expiry_reclaims_models_samplers_and_threads(
     bridge.db.update(TinkerSession, session, heartbeat_at=0.0)  # silent for ages
     assert settles(lambda: not engine_running(live, engine_model))
     assert settles(lambda: not engine_running(live, engine_sampler))
-    assert record.checkpoint_id not in samplers.open
+    assert record.checkpoint_id not in samplers.open and not samplers.bound
     assert engine_model not in live.worker.sessions and engine_sampler not in live.worker.sessions
     assert settles(lambda: threading.active_count() <= baseline)
     response = http.post("/session_heartbeat", json={"session_id": session})
@@ -207,3 +212,21 @@ def test_sampler_sessions_under_16_racing_threads() -> None:
     assert len(sessions.open) <= sampling.MAX_SAMPLER_SESSIONS
     assert set(sessions.open.values()) <= engine.running
     assert not any(sessions.in_use.values())
+
+
+def test_a_sample_that_finds_newer_weights_published_runs_on_its_checkpoint(
+    live: LiveServer, http: httpx.Client
+) -> None:
+    """A binding whose version the training session no longer publishes (a save raced the
+    sample) is dropped, and the sample runs again on a session opened from the checkpoint."""
+    samplers = live.app.state.tinker_samplers
+    model = th.new_model(http)
+    saved = {"model_id": model, "path": "raced", "sampling_session_seq_id": 5}
+    sampler = th.ok(http, "/save_weights_for_sampler", saved)["sampling_session_id"]
+    record = live.app.state.tinker.db.get(TinkerSampler, sampler)
+    engine_model = live.app.state.tinker.db.get(TinkerModel, model).session_id
+    samplers.bind(record.checkpoint_id, engine_model, 999)  # as if published before a later step
+    opened = samplers.opened
+    assert "sequences" in th.ok(http, "/asample", prompt_body(sampling_session_id=sampler))
+    assert samplers.opened == opened + 1 and record.checkpoint_id in samplers.open
+    assert record.checkpoint_id not in samplers.bound

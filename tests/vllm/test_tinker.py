@@ -59,6 +59,20 @@ def test_compute_logprobs_equal_the_training_forward(run: dict[str, Any]) -> Non
             assert max(abs(a - b) for a, b in zip(computed[1:], forward, strict=True)) <= TOL
 
 
+def test_samplers_of_current_weights_open_no_engine_session(
+    server: LiveServer, run: dict[str, Any]
+) -> None:
+    """Each step's sampler sampled on the training session (its adapter already in the
+    replica); only the first sampler, asked again after later saves, opened one of its own,
+    and it sampled its own checkpoint's weights: the same tokens and logprobs as at step 0."""
+    assert server.app.state.tinker_samplers.opened == 1
+    first = run["steps"][0]["sequences"]
+    again = run["first_again"]
+    assert [s["tokens"] for s in again] == [s["tokens"] for s in first]
+    for a, b in zip(again, first, strict=True):
+        assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"], strict=True)) <= TOL
+
+
 def test_the_samples_ran_on_the_vllm_replica(server: LiveServer, run: dict[str, Any]) -> None:
     (live,) = server.worker.resources.live_resources()
     assert live.engine is not None

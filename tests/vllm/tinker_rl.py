@@ -24,9 +24,11 @@ def main(base_model: str) -> dict[str, Any]:
     service = tinker.ServiceClient()
     training = service.create_lora_training_client(base_model=base_model, rank=8, seed=0)
     steps: list[dict[str, Any]] = []
+    samplers = []
     for step in range(3):
         t0 = time.monotonic()
         sampler = training.save_weights_and_get_sampling_client(name=f"step{step}")
+        samplers.append(sampler)
         t_sampler = time.monotonic() - t0
         params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=10 + step)
         t0 = time.monotonic()
@@ -74,7 +76,20 @@ def main(base_model: str) -> dict[str, Any]:
                 "seconds": {"sampler": t_sampler, "sample": t_sample},
             }
         )
-    return {"prompt": PROMPT, "steps": steps}
+    # the first sampler again, after later saves moved the training session on: its own weights
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=10)
+    again = (
+        samplers[0]
+        .sample(
+            prompt=types.ModelInput.from_ints(PROMPT), num_samples=GROUP, sampling_params=params
+        )
+        .result()
+    )
+    first_again = [
+        {"tokens": list(s.tokens), "logprobs": [float(x) for x in s.logprobs or []]}
+        for s in again.sequences
+    ]
+    return {"prompt": PROMPT, "steps": steps, "first_again": first_again}
 
 
 if __name__ == "__main__":

@@ -38,8 +38,8 @@ from trainer.api.tinker.routes import (
     parse,
     seq_id_of,
 )
-from trainer.api.tinker.sampling import new_sampler
-from trainer.serving.errors import bad_request, not_found
+from trainer.api.tinker.sampling import SamplerSessions, new_sampler, samplers_of
+from trainer.serving.errors import ApiError, bad_request, not_found
 from trainer.serving.operations import vocab_size_of
 
 router = APIRouter()
@@ -213,11 +213,13 @@ async def save_weights(request: Request) -> dict[str, Any]:
 async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
     body: SaveWeightsForSampler = await parse(request, SaveWeightsForSampler)
     bridge, model, name, key = _save_request(request, body, "sampler", "SaveWeightsForSampler")
+    samplers = samplers_of(request)
 
     def work(request_id: str) -> dict[str, Any]:
         path = _save(
             bridge, model, "sampler", name, request_id, body.ttl_seconds, body.user_metadata, True
         )
+        _publish_for_samplers(samplers, bridge, model, path, request_id)
         out: dict[str, Any] = {"path": path, "type": "save_weights_for_sampler"}
         if body.sampling_session_seq_id is not None:
             sampler_id = f"{model.tinker_session}:sample:{body.sampling_session_seq_id}"
@@ -226,6 +228,24 @@ async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
         return out
 
     return future_json(bridge.start(model.id, "SaveWeightsForSampler", key, work), model.id)
+
+
+def _publish_for_samplers(
+    samplers: SamplerSessions, bridge: TinkerBridge, model: TinkerModel, path: str, request_id: str
+) -> None:
+    """The training session publishes the weights just saved, so samplers of this checkpoint
+    sample on it (`sampling.SamplerSessions.bind`); a session without a generator keeps the
+    checkpoint-session path."""
+    session_id = bridge.current_session(model.id)
+    body = {"weight_sync_type": "WEIGHT_SYNC_TYPE_SYNCHRONOUS"}
+    try:
+        call = bridge.prepare(session_id, "weights-sync", body)
+        out = bridge.run(model, "weights-sync", call, f"{request_id}:publish")
+    except (ApiError, RequestFailed):
+        return
+    record = bridge.db.get(TinkerCheckpoint, path)
+    if record is not None:
+        samplers.bind(record.checkpoint_id, session_id, int(out["weights_version"]))
 
 
 @router.post("/save_weights_external")

@@ -6,6 +6,13 @@ a base model. Its samples run on an engine session opened from that checkpoint
 fresh rank-1 LoRA session for the base model itself (its B matrices are zero, so it computes
 exactly the base model). Sampling sessions of the same checkpoint share one engine session;
 at most `MAX_SAMPLER_SESSIONS` stay open, the least recently used idle one closing first.
+
+A checkpoint that `save_weights_for_sampler` just wrote from a training model is also what that
+model's own engine session publishes (the save syncs its weights, `bind`): its samples run on
+that session, whose published weights the generator already serves (on vLLM, an adapter
+already loaded in the replicas), so no engine session is opened per sampler checkpoint. A
+sample that finds the training session's published version moved on (a later save) runs again
+on a session opened from the checkpoint, so it always comes from the checkpoint's weights.
 """
 
 from __future__ import annotations
@@ -52,7 +59,31 @@ class SamplerSessions:
         self.open: OrderedDict[str, str] = OrderedDict()  # key -> engine session id
         self.in_use: dict[str, int] = {}  # key -> samples using (or opening) it; absent: 0
         self.opening: dict[str, threading.Lock] = {}  # key -> held while its session opens
+        # checkpoint id -> (the training model's engine session, the version it published then)
+        self.bound: dict[str, tuple[str, int]] = {}
+        self.opened = 0  # engine sessions opened for samplers (tests, metrics)
         bridge.on_sessions_ended.append(self.sessions_ended)
+
+    def bind(self, checkpoint_id: str, session_id: str, version: int) -> None:
+        """Samples of `checkpoint_id` may run on `session_id` while it publishes `version`."""
+        with self.lock:
+            self.bound[checkpoint_id] = (session_id, version)
+            for key in [k for k, (s, v) in self.bound.items() if s == session_id and v < version]:
+                del self.bound[key]  # older versions of that session: no longer published
+
+    def binding(self, sampler: TinkerSampler) -> tuple[str, int] | None:
+        """The training session and version a sample of `sampler` may run on, if any."""
+        if not sampler.checkpoint_id:
+            return None
+        with self.lock:
+            bound = self.bound.get(sampler.checkpoint_id)
+        if bound is None or not self._running(bound[0]):
+            return None
+        return bound
+
+    def unbind(self, checkpoint_id: str) -> None:
+        with self.lock:
+            self.bound.pop(checkpoint_id, None)
 
     @staticmethod
     def key_of(sampler: TinkerSampler) -> str:
@@ -106,6 +137,10 @@ class SamplerSessions:
                 for key in unused
                 if key in self.open and self.in_use.get(key, 0) == 0
             ]
+            bound = list(self.bound.items())
+        for checkpoint_id, (session_id, _) in bound:  # training sessions that ended
+            if not self._running(session_id):
+                self.unbind(checkpoint_id)
         for session_id in closing:
             self.bridge.stop_session(session_id)
 
@@ -114,6 +149,7 @@ class SamplerSessions:
         return row is not None and row.status == SES_RUNNING
 
     def _open(self, sampler: TinkerSampler) -> str:
+        self.opened += 1
         resource_id = self.bridge.resource_for(sampler.base_model)
         spec: dict[str, Any]
         if sampler.checkpoint_id:
@@ -133,6 +169,15 @@ class SamplerSessions:
                     closing.append(self.open.pop(key))
         for session_id in closing:
             self.bridge.stop_session(session_id)
+
+
+def _versions(output: dict[str, Any]) -> set[int]:
+    """The weights versions a sample output's sequences came from."""
+    return {
+        int(segment["version"])
+        for result in output.get("results", [])
+        for segment in result.get("policy_segments", [])
+    }
 
 
 def samplers_of(request: Request) -> SamplerSessions:
@@ -235,6 +280,15 @@ async def asample(request: Request) -> dict[str, Any]:
     sessions = samplers_of(request)
 
     def work(request_id: str) -> dict[str, Any]:
+        bound = sessions.binding(sampler)
+        if bound is not None:  # the training session publishes these weights (`bind`)
+            session_id, version = bound
+            out = bridge.run(session_id, "sample", call, request_id)
+            if _versions(out) == {version}:
+                return convert.sample_output(out)
+            assert sampler.checkpoint_id is not None
+            sessions.unbind(sampler.checkpoint_id)  # published on since: the checkpoint's own
+            request_id = f"{request_id}:checkpoint"
         held, session_id = sessions.acquire(sampler)
         try:
             return convert.sample_output(bridge.run(session_id, "sample", call, request_id))
