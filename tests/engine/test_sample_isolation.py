@@ -135,6 +135,27 @@ def test_a_nan_session_sampling_alone_fails_with_non_finite_loss(
     assert caught.value.code == "NON_FINITE_LOSS"
 
 
+def test_samples_record_no_autograd_graph(demo_dir: Path, tmp_path: Path) -> None:
+    """Every forward of a sample, alone or batched, runs with autograd off. With it on, the
+    solo path kept each decode step's graph: 3.7 GB for one 64 x 600-token sample against
+    0.47 GB batched, and 64 x 1,500 tokens ran out of memory."""
+    for batch in (False, True):
+        resource = _resource(demo_dir, tmp_path / f"batch-{batch}", batch=batch, sessions=2)
+        modes: list[bool] = []
+        hook = resource.model.register_forward_hook(
+            lambda *_, modes=modes: modes.append(torch.is_grad_enabled())
+        )
+        try:
+            with ThreadPoolExecutor(2) as pool:
+                jobs = [pool.submit(_sample, _session(resource, i), i, 8) for i in range(2)]
+                for job in jobs:
+                    job.result()
+        finally:
+            hook.remove()
+        assert modes and not any(modes), (batch, modes)
+    assert resource.sample_batcher is not None and resource.sample_batcher.batches == 1
+
+
 def _prefix(result: dict[str, Any], tokens: int) -> dict[str, Any]:
     """`result` with every sequence cut to its first `tokens` tokens (stop reasons kept)."""
     return {
