@@ -59,6 +59,7 @@ from trainer.contract.specs import (
     SessionSpec,
     TensorData,
 )
+from trainer.engine.batching.sample_batch import sample_counters
 from trainer.engine.resource import ModelResource
 from trainer.tiny import TinySpec, save_model
 
@@ -106,20 +107,27 @@ def coupling(
     def run_short() -> float:
         return _timed(lambda: short.sample(prompt, sampling_params=small))
 
+    def batches() -> int:
+        return sample_counters(resource)["sample_batches"]
+
     times: dict[str, list[float]] = {"short_alone": [], "together": [], "later": [], "long": []}
+    batched = 0  # runs whose "sent at once" pair shared one generation
     with ThreadPoolExecutor(1) as first, ThreadPoolExecutor(1) as second:
         for _ in range(args.runs):
             times["short_alone"].append(second.submit(run_short).result())
+            before = batches()
             job, quick = first.submit(run_long), second.submit(run_short)
             times["together"].append(quick.result())
             times["long"].append(job.result())
+            batched += batches() > before
             job = first.submit(run_long)
             while not resource.lock.locked():
                 time.sleep(0.0005)
             time.sleep(args.delay)
             times["later"].append(second.submit(run_short).result())
             job.result()
-    return {f"coupled_{name}_s": statistics.median(values) for name, values in times.items()}
+    figures = {f"coupled_{name}_s": statistics.median(values) for name, values in times.items()}
+    return {**figures, "coupled_together_batched_runs": batched}
 
 
 def main() -> None:
@@ -273,7 +281,9 @@ def _report_coupling(figures: dict[str, float], args: argparse.Namespace) -> Non
         f"a {args.short_tokens}-token sample next to a {args.long_rows} x {args.long_tokens}-token "
         f"sample (medians of {args.runs} runs, turns every {args.steps_per_turn} steps): "
         f"alone {figures['coupled_short_alone_s']:.3f} s, sent at once "
-        f"{figures['coupled_together_s']:.3f} s, sent {args.delay} s in "
+        f"{figures['coupled_together_s']:.3f} s (one batch in "
+        f"{figures['coupled_together_batched_runs']:.0f} of {args.runs} runs), "
+        f"sent {args.delay} s in "
         f"{figures['coupled_later_s']:.3f} s; the long sample {figures['coupled_long_s']:.3f} s"
     )
     if args.json:

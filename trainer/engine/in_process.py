@@ -60,6 +60,7 @@ class InProcessGenerator(Generator):
             return batcher.run(SampleJob(session=session, call=call, generator=self))
         return super().sample(session, call)
 
+    @torch.no_grad()  # else autograd keeps every decode step's graph: O(tokens^2) memory
     def generate(self, call: SampleCall, seed: int) -> list[PromptSamples]:
         with self._resharding(), self.policy.published() as model:
             (groups,) = sampler.generate(

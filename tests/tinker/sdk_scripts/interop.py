@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import json
 import sys
-import traceback
 from typing import Any
 
 import tinker
 from tinker import types
+
+from tests.tinker.sdk_scripts.report import print_result
 
 LR = 1e-2
 
@@ -63,9 +64,4 @@ def main(base_model: str, together_path: str, sequences: list[list[int]]) -> dic
 
 
 if __name__ == "__main__":
-    try:
-        result = main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))
-    except Exception:
-        traceback.print_exc()
-        sys.exit(1)
-    print(json.dumps(result), flush=True)
+    print_result(lambda: main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3])))

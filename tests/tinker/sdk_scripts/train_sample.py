@@ -9,10 +9,8 @@ Prints one JSON object with what the SDK returned; the pytest side checks the nu
 
 from __future__ import annotations
 
-import json
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,8 @@ import numpy as np
 import tinker
 import torch
 from tinker import types
+
+from tests.tinker.sdk_scripts.report import print_result
 
 LR = 1e-2
 RANK = 4
@@ -253,9 +253,4 @@ def main(base_model: str, download_dir: Path) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    try:
-        result = main(sys.argv[1], Path(sys.argv[2]))
-    except Exception:
-        traceback.print_exc()
-        sys.exit(1)
-    print(json.dumps(result), flush=True)
+    print_result(lambda: main(sys.argv[1], Path(sys.argv[2])))
