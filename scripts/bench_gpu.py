@@ -355,6 +355,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--merge-tokens", type=int, default=32)
     parser.add_argument("--merge-rounds", type=int, default=10)
     parser.add_argument("--merge-window-ms", type=float, help="default: the engine's")
+    parser.add_argument(
+        "--vllm-python",
+        help="also the vLLM rows (scripts/bench_vllm.py) on a Qwen3-0.6B shape, bf16, 64 x 512",
+    )
     args = parser.parse_args(argv)
     if args.tiny:
         device, shape = torch.device("cpu"), TINY
@@ -398,7 +402,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print("|---|---|---|---|---|")
         print(merge.row())
+    if args.vllm_python:
+        run_vllm(args.vllm_python, device, shape, tiny=args.tiny)
     return 0
+
+
+def run_vllm(python: str, device: torch.device, shape: ModelShape, tiny: bool) -> None:
+    """The vLLM rows of `scripts/bench_vllm.py` (rollouts, syncs, a GRPO step, each beside the
+    in-process loop) on this shape: bf16, 64 x 512 tokens on a GPU."""
+    import subprocess
+
+    size = ["--batches", "1,8", "--tokens", "8", "--runs", "1"] if tiny else []
+    size = size or ["--batches", "1,8,32,64", "--tokens", "512", "--runs", "3"]
+    command = [
+        sys.executable,
+        str(ROOT / "scripts" / "bench_vllm.py"),
+        "--python",
+        python,
+        "--device",
+        device.type,
+        "--dtype",
+        "float32" if tiny else "bfloat16",
+        "--vocab",
+        str(shape.vocab),
+        "--hidden",
+        str(shape.hidden),
+        "--intermediate",
+        str(shape.intermediate),
+        "--layers",
+        str(shape.layers),
+        "--heads",
+        str(shape.heads),
+        "--kv-heads",
+        str(shape.kv_heads),
+        "--head-dim",
+        str(max(32, shape.head_dim or shape.hidden // shape.heads)),
+        *size,
+    ]
+    print("\nvLLM generator replicas beside the in-process loop (scripts/bench_vllm.py)")
+    subprocess.run(command, check=True)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,9 @@
     python scripts/bench_vllm.py --python ~/.cache/trainer-tests/vllm-venv-*/bin/python
     python scripts/bench_vllm.py --python PY --batches 1,8 --tokens 16 --runs 1   # quick
 
+On a GPU, `scripts/bench_gpu.py --vllm-python PY` runs it on a Qwen3-0.6B shape in bf16 at
+batch 64 x 512 tokens (`--device cuda --dtype bfloat16`).
+
 A Qwen3-shaped model of about 150 M parameters (`--hidden 1024 --layers 12`, tied, random,
 float32) saved once; two resources on it per kind, one per backend. Rows of the figures:
 
@@ -82,17 +85,27 @@ def ce_batch(vocab: int, n: int = 4, length: int = 32) -> list[Sample]:
     return out
 
 
+ENV: dict[str, str] = {}  # the replicas' environment (`--env KEY=VALUE`)
+SETUP: dict[str, Any] = {"device": "cpu", "dtype": "float32", "context": 512}
+
+
 def resource(model: Path, storage: Path, lora: bool, python: str | None) -> ModelResource:
+    dtype = SETUP["dtype"]
     generator = (
-        GeneratorOptions(backend="vllm", python=python, dtype="float32", kv_cache_gib=2)
+        GeneratorOptions(backend="vllm", python=python, dtype=dtype, kv_cache_gib=2, env=ENV)
         if python
         else None
     )
     entry = ModelEntry(
-        name="bench", location=str(model), max_seq_length=512, max_lora_rank=32, generator=generator
+        name="bench",
+        location=str(model),
+        max_seq_length=SETUP["context"],
+        max_lora_rank=32,
+        dtype=dtype,
+        generator=generator,
     )
     spec = ResourceSpec(base_model="bench", lora_enabled=lora)
-    return ModelResource(entry, spec, CheckpointStore(storage), device="cpu")
+    return ModelResource(entry, spec, CheckpointStore(storage), device=SETUP["device"])
 
 
 def session(res: ModelResource, lora: bool, vocab: int) -> TrainingSession:
@@ -176,24 +189,34 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--intermediate", type=int, help="default: 2.75 x hidden")
+    parser.add_argument("--heads", type=int, help="default: hidden / 64")
+    parser.add_argument("--kv-heads", type=int, help="default: hidden / 256")
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--kinds", default="full,lora")
+    parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for the replicas")
     args = parser.parse_args()
+    ENV.update(item.split("=", 1) for item in args.env)
+    SETUP.update(device=args.device, dtype=args.dtype, context=max(512, 2 * args.tokens + 64))
     batches = [int(b) for b in args.batches.split(",")]
     root = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     spec = TinySpec(
         vocab=args.vocab,
         hidden=args.hidden,
-        intermediate=int(args.hidden * 2.75),
+        intermediate=args.intermediate or int(args.hidden * 2.75),
         layers=args.layers,
-        heads=args.hidden // 64,
-        kv_heads=max(1, args.hidden // 256),
-        head_dim=64,
-        max_positions=1024,
+        heads=args.heads or args.hidden // 64,
+        kv_heads=args.kv_heads or max(1, args.hidden // 256),
+        head_dim=args.head_dim,
+        max_positions=max(1024, 2 * args.tokens + 64),
         eos=None,
     )
     model = save_model(spec, root / "model")
     params = sum(t.numel() for t in load_file(str(model / "model.safetensors")).values())
     out: dict[str, Any] = {"parameters": params, "tokens_per_row": args.tokens, "rows": {}}
-    for lora in (False, True):
+    for lora in [kind == "lora" for kind in args.kinds.split(",")]:
         kind = "lora" if lora else "full"
         hf = resource(model, root / f"hf-{kind}", lora, None)
         vl = resource(model, root / f"vllm-{kind}", lora, args.python)

@@ -57,6 +57,7 @@ KNOBS: dict[tuple[str, str], tuple[Any, Any]] = {
     ("generator", "threads"): (2, 4),
     ("generator", "start_timeout_s"): (30.0, 60.5),
     ("generator", "extra_engine_args"): ({"block_size": 16}, {"seed": 3}),
+    ("generator", "env"): ({"OMP_WAIT_POLICY": "PASSIVE"}, {"KMP_BLOCKTIME": "0"}),
 }
 
 

@@ -71,9 +71,12 @@ def _resource(
 
 @pytest.fixture(scope="module")
 def lora_pair(vllm_model: Path, vllm_py: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """A LoRA resource on vLLM (two slots for adapters in a batch) and its in-process twin."""
+    """A LoRA resource on vLLM and its in-process twin. The replica holds two adapters in a
+    batch and three in its CPU cache, so more sessions than that evict and re-read adapters."""
     root = tmp_path_factory.mktemp("lora-pair")
-    served = _resource(vllm_model, root / "vllm", vllm_py, max_loras=3)
+    served = _resource(
+        vllm_model, root / "vllm", vllm_py, max_loras=3, extra_engine_args={"max_cpu_loras": 3}
+    )
     twin = _resource(vllm_model, root / "hf", None)
     yield served, twin
     served.close()
@@ -206,8 +209,9 @@ def test_prompt_logprobs_are_the_trainers(lora_pair: Any) -> None:
 
 def test_many_sessions_at_once_with_more_adapters_than_slots(lora_pair: Any) -> None:
     """Six sessions (one never trained: the base model) sample at once on a replica that holds
-    two adapters in a batch: every sample equals its in-process twin's; no adapter leaks into
-    another row's, nor into the base model's."""
+    two adapters in a batch and three in its cache: every sample equals its in-process twin's
+    (evicted adapters are read again from their files); no adapter leaks into another row's,
+    nor into the base model's. Then each samples again, alone, in reverse order."""
     served, twin = lora_pair
     pairs = [
         (_session(served, f"m{i}", rank=2 + i), _session(twin, f"m{i}", rank=2 + i))
@@ -220,6 +224,8 @@ def test_many_sessions_at_once_with_more_adapters_than_slots(lora_pair: Any) -> 
         got = list(pool.map(lambda p: _sample(p[0]), pairs))
     for (a, b), result in zip(pairs, got, strict=True):
         _assert_agrees(result, _sample(b), a)
+    for a, b in reversed(pairs):
+        _assert_agrees(_sample(a), _sample(b), a)
 
 
 def test_a_nan_session_fails_alone_on_vllm(lora_pair: Any) -> None:
@@ -339,3 +345,21 @@ def test_stop_strings_on_a_model_with_a_tokenizer(
     finally:
         served.close()
         twin.close()
+
+
+def test_routing_replay_samples_run_on_the_in_process_loop(lora_pair: Any) -> None:
+    """`return_routed_experts` samples go to the in-process loop (vLLM 0.32 returns no routes):
+    the replica serves none of them, and a seeded sample at temperature 1 equals the in-process
+    twin's token for token."""
+    served, twin = lora_pair
+    a, b = _session(served, "replay"), _session(twin, "replay")
+    _train(a, 95)
+    _train(b, 95)
+    assert served.replicas is not None
+    before = served.replicas.replicas[0].samples
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=3)
+    inputs = [model_input(p) for p in PROMPTS]
+    got = a.sample(inputs, num_samples=2, sampling_params=params, return_routed_experts=True)
+    want = b.sample(inputs, num_samples=2, sampling_params=params, return_routed_experts=True)
+    assert got == want
+    assert served.replicas.replicas[0].samples == before

@@ -2,8 +2,8 @@
 whose samples run on vLLM: save weights for the sampler, sample a group, score it with the
 training client's own forward, one importance-sampling step; three times.
 
-Usage: python tinker_rl.py BASE_MODEL. Prints one JSON object; tests/vllm/test_tinker.py
-checks the numbers.
+Usage: python tinker_rl.py BASE_MODEL [STEPS]. Prints one JSON object; tests/vllm/test_tinker.py
+checks the numbers, scripts/bench_tinker_steps.py times the steps.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ PROMPT = [5, 9, 14, 20]
 GROUP = 4
 
 
-def main(base_model: str) -> dict[str, Any]:
+def main(base_model: str, count: int = 3) -> dict[str, Any]:
     service = tinker.ServiceClient()
     training = service.create_lora_training_client(base_model=base_model, rank=8, seed=0)
     steps: list[dict[str, Any]] = []
     samplers = []
-    for step in range(3):
+    for step in range(count):
         t0 = time.monotonic()
         sampler = training.save_weights_and_get_sampling_client(name=f"step{step}")
         samplers.append(sampler)
@@ -93,4 +93,4 @@ def main(base_model: str) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1])))
+    print(json.dumps(main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 3)))

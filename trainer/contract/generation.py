@@ -57,6 +57,10 @@ class GeneratorOptions(StrictSpec):
     extra_engine_args: dict[str, Any] = Field(
         default_factory=dict, description="more vllm.EngineArgs keys, passed as they are"
     )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="environment of the replicas, over the worker's (VLLM_*, OMP_*, ...)",
+    )
 
     def over(self, entry: GeneratorOptions | None) -> GeneratorOptions:
         """These options with the keys a catalogue entry sets itself laid over them."""

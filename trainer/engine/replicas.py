@@ -74,6 +74,7 @@ def start_replicas(
         "gpu_memory_utilization": options.gpu_memory_utilization,
         "trust_remote_code": entry.trust_remote_code,
         "extra_engine_args": options.extra_engine_args,
+        "env": options.env,
     }
     pool = ReplicaPool(count, options, config, cuda=device.type == "cuda")
     pool.start()

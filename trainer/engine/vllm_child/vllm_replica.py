@@ -143,8 +143,9 @@ class Replica:
             self._add_job(message)
             return None
         if op == "load_adapter":
+            start = time.perf_counter()
             self.engine.add_lora(self._lora(message["adapter"]))
-            return {"ok": True}
+            return {"ok": True, "seconds": time.perf_counter() - start}
         if op == "drop_adapter":
             lora_id = int(message["adapter_id"])
             self.adapters.pop(lora_id, None)
