@@ -27,7 +27,12 @@ from conftest import TOKEN, LiveServer, serve_in_thread
 from safetensors.torch import load_file
 from together.post_training import ModelResourcesClient, SessionClient
 
-REL = 1e-6
+REL = 5e-6  # fp32 summation order; kernels differ by CPU (AMD EPYC saw > 1e-6)
+# Checkpoint tensors, by norm: AdamW divides by sqrt(v), so an element with a near-zero gradient
+# turns the summation-order noise of a differently packed pass into a visible step (one element
+# 7.6e-4 off of its tensor's largest on an AMD EPYC), while a session mixed up with another is
+# off by O(1) of the whole tensor
+NORM_REL = 1e-4
 ABS = 1e-9  # for values that are exactly 0 in one run (masked positions)
 CE = {"type": "LOSS_TYPE_CROSS_ENTROPY"}
 PPO = {
@@ -240,7 +245,9 @@ def assert_same_checkpoint(
         if not expected.is_floating_point():  # RNG states, step counters: bit-equal
             assert torch.equal(got, expected), key
             continue
-        torch.testing.assert_close(got, expected, rtol=REL, atol=ABS, msg=key)
+        # the norm of the difference against the tensor's own norm (`NORM_REL`)
+        diff = float((got.double() - expected.double()).norm())
+        assert diff <= NORM_REL * float(expected.double().norm()) + ABS, (key, diff)
 
 
 def test_four_sessions_merged_equal_each_alone(tiny_qwen_dir: Path, tmp_path: Path) -> None:

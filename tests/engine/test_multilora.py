@@ -21,7 +21,7 @@ from trainer.compute.multilora import Segment, lora_layers, segmented
 from trainer.compute.policy import LoraPolicy, SharedPeft
 from trainer.contract.specs import LoraConfig
 
-TOL = 1e-6  # fp32
+TOL = 3e-6  # fp32: a few ulps of summation order (CPUs differ: 1.2e-6 seen on AMD EPYC)
 TOL64 = 1e-10  # fp64: rounding is out of the way, any real mismatch is O(1)
 # name, rank, alpha, train_unembed (a LoRA on the output head too)
 POLICIES = [("s0", 4, 8, True), ("s1", 8, 4, False), ("s2", 2, 16, True), ("s4", 4, 4, True)]

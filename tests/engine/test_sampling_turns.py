@@ -366,7 +366,8 @@ def _concurrently(sessions: list[TrainingSession]) -> list[Any]:
 def _assert_equal_samples(got: dict[str, Any], want: dict[str, Any]) -> None:
     """Tokens, stop reasons, versions and prompt logprobs exactly; sampled logprobs to the
     rounding of a differently padded batch (a row padded in the batch but not alone takes
-    another attention kernel path: measured differences up to 1e-6)."""
+    another attention kernel path: measured differences up to 1e-6 on one CPU, 4.9e-6 on an
+    AMD EPYC)."""
     assert len(got["results"]) == len(want["results"])
     for g, w in zip(got["results"], want["results"], strict=True):
         assert g.keys() == w.keys()
@@ -375,7 +376,7 @@ def _assert_equal_samples(got: dict[str, Any], want: dict[str, Any]) -> None:
         for gs, ws in zip(g["sequences"], w["sequences"], strict=True):
             assert gs["tokens"] == ws["tokens"] and gs["stop_reason"] == ws["stop_reason"]
             torch.testing.assert_close(
-                torch.tensor(gs["logprobs"]), torch.tensor(ws["logprobs"]), rtol=1e-6, atol=3e-6
+                torch.tensor(gs["logprobs"]), torch.tensor(ws["logprobs"]), rtol=1e-6, atol=1e-5
             )
 
 
