@@ -296,7 +296,6 @@ class ReplicaPool:
     ) -> None:
         self.options = options
         self.model_path = config["model"]
-        self.tokenizer = config.get("tokenizer")
         self.workdir = sync_root()
         python = options.python or sys.executable
         devices = _cuda_count() if cuda else 0

@@ -181,15 +181,6 @@ class VllmGenerator(InProcessGenerator):
                 session.cpu_rng = rng_before
             raise
 
-    def generate(self, call: SampleCall, seed: int) -> list[PromptSamples]:
-        """On a replica (`sample_alone`'s path: routing-replay samples stay in-process)."""
-        if call.return_routed_experts:
-            return super().generate(call, seed)
-        samples = self._prompt_samples(call)
-        for got, group in zip(samples, self._generate(call, seed, self.served), strict=True):
-            got.sequences = group
-        return samples
-
     def _prompt_samples(self, call: SampleCall) -> list[PromptSamples]:
         groups: list[list[sampler.Sequence]] = [[] for _ in call.prompts]
         if not (call.prompt_logprobs or call.topk_prompt_logprobs):
@@ -206,17 +197,12 @@ class VllmGenerator(InProcessGenerator):
             for i, prompt in enumerate(call.prompts)
             for j in range(n)
         ]
-        stops = call.params.stop
-        if stops and self.pool.tokenizer is None:
-            raise OperationError(
-                "INVALID_INPUT", "sampling_params.stop: stop strings need a tokenizer"
-            )
         params = {
             "temperature": call.params.temperature,
             "top_p": call.params.top_p,
             "top_k": call.params.top_k,
             "max_tokens": call.params.max_tokens,
-            "stop": stops,
+            "stop": call.params.stop,  # `sample_call` refused them without a tokenizer
             "stop_token_ids": sorted(call.eos_ids),
         }
         got = self.pool.generate(rows, params)
