@@ -43,6 +43,8 @@ KNOBS: dict[tuple[str, str], tuple[Any, Any]] = {
     ("engine", "batch_samples"): (False, True),
     ("engine", "routes_ttl_s"): (60.0, 30.5),
     ("engine", "routes_max_bytes"): (4096, 8192),
+    ("engine", "stability_ttl_s"): (3600.0, 60.0),
+    ("engine", "stability_max_bytes"): (1 << 20, 0),
     ("distributed", "cpu_offload"): (True, False),
     ("distributed", "collective_timeout_s"): (8.5, 42.0),
     ("generator", "backend"): ("vllm", "hf"),

@@ -61,7 +61,8 @@ def test_params_are_parsed_once_into_the_typed_union() -> None:
     assert isinstance(params, GrpoParams) and params.beta == 0.25
     assert loss.params() is params  # not parsed again
     assert loss.spec is LOSS_SPECS["LOSS_TYPE_GRPO"]
-    # the wire shape is unchanged (type + the six <x>_params; the others dropped unread)
+    # the wire shape: type + the six <x>_params of the RL face, and the Tinker face's
+    # stable_reinforce_params (the others dropped unread)
     dumped = loss.model_dump(mode="json")
     assert set(dumped) == {
         "type",
@@ -71,6 +72,7 @@ def test_params_are_parsed_once_into_the_typed_union() -> None:
         "cispo_params",
         "dppo_params",
         "dro_params",
+        "stable_reinforce_params",
     }
     again = LossConfig.model_validate(dumped)  # the rank-0 proxy's round trip
     assert again.params() == params

@@ -30,6 +30,7 @@ from trainer.contract.specs import (
     GrpoParams,
     ImportanceSamplingParams,
     PpoParams,
+    StableReinforceParams,
 )
 
 F64 = torch.float64
@@ -148,6 +149,10 @@ def ref_token(loss_type: str, s: Sample, t: int, lp: torch.Tensor, params: Any, 
     if loss_type == "LOSS_TYPE_DPPO":
         keep = dppo_keep(lp.item(), q, a, params)
         return -r * a if keep else lp * 0.0
+    if loss_type == "LOSS_TYPE_STABLE_REINFORCE":  # §13: truncated IS weight, k3 to the sampler
+        weight = min(r.item(), params.truncation)
+        d = q - lp
+        return -weight * a * lp + params.kl_coeff * (torch.exp(d) - d - 1)
     assert loss_type == "LOSS_TYPE_GRPO"
     if params.ratio_type == "GRPO_LOSS_RATIO_TYPE_SEQUENCE":
         rho = math.exp(seq) * torch.exp(lp - lp.detach())
@@ -218,6 +223,13 @@ def ref_metrics(loss_type: str, samples: list[Sample], params: Any) -> dict[str,
         out["loss/kl_ref/mean"] = sum(kls) / n
     if loss_type == "LOSS_TYPE_DPPO":
         out["loss/dppo/masked_fraction"] = sum(dropped) / n
+    if loss_type == "LOSS_TYPE_STABLE_REINFORCE":
+        c = params.truncation
+        diffs = [s["lp"][t] - s["q"][t] for s in samples for t in range(len(s["lp"])) if s["m"][t]]
+        out["loss/is_weight/mean"] = sum(min(r, c) for r in ratios) / n
+        out["loss/truncated_fraction"] = sum(r > c for r in ratios) / n
+        out["loss/log_ratio/mean"] = sum(diffs) / n
+        out["loss/kl_sampler/mean"] = sum(math.exp(-d) + d - 1 for d in diffs) / n
     return out
 
 
@@ -236,6 +248,8 @@ CASES: list[tuple[str, Any]] = [
     ("LOSS_TYPE_DRO", DroParams(beta=0.7)),
     ("LOSS_TYPE_DPPO", DppoParams()),
     ("LOSS_TYPE_DPPO", DppoParams(delta_low=0.05, delta_high=0.02)),
+    ("LOSS_TYPE_STABLE_REINFORCE", StableReinforceParams()),
+    ("LOSS_TYPE_STABLE_REINFORCE", StableReinforceParams(kl_coeff=0.3, truncation=1.1)),
 ] + [
     (
         "LOSS_TYPE_GRPO",

@@ -319,7 +319,8 @@ def _field_of(fbi: dict[str, Any]) -> str:
 
 
 def test_forward_backward_errors_name_the_field() -> None:
-    assert _field_of(_fbi("stable_reinforce")) == "forward_backward_input.loss_fn"
+    # stable_reinforce without provenance names the datum's spans
+    assert _field_of(_fbi("stable_reinforce")) == "forward_backward_input.data[0].model_input_spans"
     assert _field_of(_fbi("custom")) == "forward_backward_input.loss_fn"
     assert _field_of(_fbi("dpo")) == "forward_backward_input.loss_fn"
     assert _field_of(_fbi("dro")) == "forward_backward_input.loss_fn_config.beta"
@@ -421,7 +422,6 @@ def test_sample_mapping() -> None:
         ({"sampling_params": {"stop": []}}, "sampling_params.stop"),
         ({"sampling_params": {"min_p": 0.1}}, "sampling_params.min_p"),
         ({"topk_sample_logprobs": 2}, "topk_sample_logprobs"),
-        ({"record_stability_info": True}, "record_stability_info"),
         ({"prompt": {"chunks": [{"type": "image", "format": "png"}]}}, "prompt.chunks[0]"),
         ({"topk_prompt_logprobs": 21}, "topk_prompt_logprobs"),
     ):

@@ -8,6 +8,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.api.conftest import LiveServer
 from tests.tinker.conftest import COOKBOOK_MODEL, HERE, run_in_venv, tokenizer_of
 
@@ -50,13 +52,19 @@ def test_sl_loop_loss_falls(
     assert names[0][1].startswith("tinker://") and names[1][2].startswith("tinker://"), names
 
 
-def test_rl_loop_completes_with_importance_sampling(
+@pytest.mark.parametrize("loss_fn", [None, "importance_sampling"], ids=["default", "is"])
+def test_rl_loop_completes(
     venv_python: Path,
     tinker_server: LiveServer,
     served_models: dict[str, Path],
     tmp_path: Path,
+    loss_fn: str | None,
 ) -> None:
+    """With its default loss (stable_reinforce: recorded samples, provenance on every datum)
+    and with importance sampling."""
     log_path = tmp_path / "rl"
+    records = tinker_server.app.state.tinker.stability
+    before = len(records)
     out = run_in_venv(
         venv_python,
         tinker_server,
@@ -73,11 +81,13 @@ def test_rl_loop_completes_with_importance_sampling(
             "lora_rank=4",
             "max_steps=3",
             "save_every=2",
-            "loss_fn=importance_sampling",
+            *([f"loss_fn={loss_fn}"] if loss_fn else []),
         ],
     )
     metrics = out["metrics"]
     assert [m["progress/batch"] for m in metrics] == [0, 1, 2], metrics
+    # the default samples with record_stability_info: 3 steps of 4 groups of 4 sequences
+    assert len(records) - before == (48 if loss_fn is None else 0)
     rewards = [m["reward/total"] for m in metrics]
     assert all(0.0 <= r <= 1.0 for r in rewards)
     # a step that trained logged the optimizer's metrics (docs/semantics.md §5); a step whose

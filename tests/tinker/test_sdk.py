@@ -146,8 +146,12 @@ def test_cross_entropy_and_custom(run: dict[str, Any]) -> None:
 
 
 def test_refusals_name_the_loss_and_the_field(run: dict[str, Any]) -> None:
+    # stable_reinforce datums without provenance (test_stable_reinforce.py covers the rest)
     assert run["stable_reinforce_error"] is not None
-    assert "stable_reinforce" in run["stable_reinforce_error"]
+    assert (
+        "data[0].model_input_spans: is required by stable_reinforce"
+        in (run["stable_reinforce_error"])
+    )
     assert run["bad_dro_error"] is not None and "beta" in run["bad_dro_error"]
 
 

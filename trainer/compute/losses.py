@@ -22,6 +22,7 @@ from trainer.contract.losses import (
     GrpoParams,
     ImportanceSamplingParams,
     PpoParams,
+    StableReinforceParams,
 )
 
 Metrics = dict[str, tuple[float, float]]
@@ -254,6 +255,31 @@ def grpo_loss(inputs: LossInputs, params: GrpoParams) -> LossOutputs:
     return LossOutputs(loss, metrics)
 
 
+def stable_reinforce_loss(inputs: LossInputs, params: StableReinforceParams) -> LossOutputs:
+    """ℓ_t = -w_t·A_t·lp_t + kl_coeff·(exp(d_t) - d_t - 1), w_t = sg(min(r_t, C)), d_t = q_t - lp_t.
+
+    q_t are the sampler's recorded logprobs and the mask keeps the positions under sampled
+    provenance spans (the Tinker face builds both, docs/semantics.md §13). Reduction: sum over
+    kept tokens.
+    """
+    p = _ratio_terms(inputs)
+    weight_P = p.ratio_P.clamp(max=params.truncation).detach()
+    loss_P = -weight_P * p.adv_P * p.lp_P
+    sampler_diff_P = -p.log_ratio_P  # q_t - lp_t at kept tokens, 0 at masked ones
+    k3_P = sampler_diff_P.exp() - sampler_diff_P - 1.0
+    if params.kl_coeff > 0:
+        loss_P = loss_P + params.kl_coeff * k3_P
+    loss = _masked(loss_P, p.keep_P).sum()
+    metrics = _ratio_metrics(p.lp_P, p.ratio_P, p.keep_P)
+    with torch.no_grad():
+        truncated_P = (p.ratio_P > params.truncation).float()
+    metrics["loss/is_weight/mean"] = _token_mean(weight_P, p.keep_P)
+    metrics["loss/truncated_fraction"] = _token_mean(truncated_P, p.keep_P)
+    metrics["loss/log_ratio/mean"] = _token_mean(p.log_ratio_P, p.keep_P)
+    metrics["loss/kl_sampler/mean"] = _token_mean(k3_P, p.keep_P)
+    return LossOutputs(loss, metrics)
+
+
 def custom_loss(inputs: LossInputs, gradients_P: torch.Tensor) -> LossOutputs:
     """L = Σ_t m_t · g_t · lp_t, so dL/dlp_t = m_t·g_t (custom forward-backward). Sum, no mean."""
     lp_P = inputs.logprobs_P.float()
@@ -274,6 +300,7 @@ LOSSES: dict[str, LossFn] = {
     "LOSS_TYPE_DRO": dro_loss,
     "LOSS_TYPE_DPPO": dppo_loss,
     "LOSS_TYPE_GRPO": grpo_loss,
+    "LOSS_TYPE_STABLE_REINFORCE": stable_reinforce_loss,
 }
 
 

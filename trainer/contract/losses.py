@@ -32,6 +32,7 @@ LossType = Literal[
     "LOSS_TYPE_CISPO",
     "LOSS_TYPE_DRO",
     "LOSS_TYPE_DPPO",
+    "LOSS_TYPE_STABLE_REINFORCE",
 ]
 GrpoAggType = Literal[
     "GRPO_LOSS_AGGREGATION_TYPE_UNSPECIFIED",
@@ -104,6 +105,15 @@ class DroParams(Spec):
     beta: float = Field(ge=0.0, allow_inf_nan=False)
 
 
+class StableReinforceParams(Spec):
+    """The Tinker face's `stable_reinforce` (docs/semantics.md §13): w_t = sg(min(r_t, C)),
+    ℓ_t = -w_t·A_t·lp_t + kl_coeff·k3(q_t - lp_t). Its `logprobs` are the sampler's recorded
+    ones, which only the Tinker face holds."""
+
+    kl_coeff: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    truncation: float = Field(default=2.0, gt=0.0, allow_inf_nan=False)
+
+
 LossParams = (
     CrossEntropyParams
     | ImportanceSamplingParams
@@ -112,6 +122,7 @@ LossParams = (
     | DroParams
     | DppoParams
     | GrpoParams
+    | StableReinforceParams
 )
 """The typed union a `LossConfig`'s `<x>_params` is parsed into, once, at the edge."""
 
@@ -167,6 +178,9 @@ class LossSpec:
     weights_are_mask: bool = True  # False: fractional `weights` scale the tokens (CE)
     rules: tuple[InputRule, ...] = ()
     optional: tuple[str, ...] = ()  # inputs it reads when given, besides `mask` / `weights`
+    rl_face: bool = True  # False: the Tinker face alone builds its inputs (a 400 on the RL face)
+    # inputs the Tinker face builds from its records (a datum may send them; they are replaced)
+    built: tuple[str, ...] = ()
 
     def rules_for(self, params: Any) -> tuple[InputRule, ...]:
         """The conditional inputs that these params make required."""
@@ -196,6 +210,14 @@ LOSS_SPECS: dict[str, LossSpec] = {
         rules=(InputRule("reference_logprobs", "when grpo_params.beta > 0", lambda p: p.beta > 0),),
         optional=("reference_logprobs",),  # its KL metric, whenever given
     ),
+    # `logprobs` are the records' (the Tinker face resolves the datums' provenance spans)
+    "LOSS_TYPE_STABLE_REINFORCE": LossSpec(
+        "stable_reinforce_params",
+        StableReinforceParams,
+        _POLICY_INPUTS,
+        rl_face=False,
+        built=("logprobs", "mask"),
+    ),
 }
 _SHORT_LOSS_NAMES = {key.removeprefix("LOSS_TYPE_").lower(): key for key in LOSS_SPECS}
 
@@ -211,6 +233,7 @@ class LossConfig(Spec):
     cispo_params: dict[str, Any] | None = None
     dppo_params: dict[str, Any] | None = None
     dro_params: dict[str, Any] | None = None
+    stable_reinforce_params: dict[str, Any] | None = None
     _params: Any = PrivateAttr(default=None)
 
     @field_validator("type", mode="before")

@@ -30,6 +30,8 @@ MERGE_MAX_TOKENS = 16384
 DECODE_STEPS_PER_TURN = 16
 ROUTES_TTL_S = 7200.0
 ROUTES_MAX_BYTES = 1 << 30
+STABILITY_TTL_S = 86400.0
+STABILITY_MAX_BYTES = 1 << 30
 
 LogprobBackend = Literal["ours", "liger"]
 
@@ -77,6 +79,16 @@ class EngineOptions(StrictSpec):
         default=ROUTES_MAX_BYTES,
         ge=0,
         description="bytes of routing-replay key files under <storage>/routes (oldest dropped)",
+    )
+    stability_ttl_s: float = Field(
+        default=STABILITY_TTL_S,
+        gt=0,
+        description="Tinker stability records (stable_reinforce) expire this long after last use",
+    )
+    stability_max_bytes: int = Field(
+        default=STABILITY_MAX_BYTES,
+        ge=0,
+        description="bytes of Tinker stability records kept (least recently used dropped)",
     )
 
 

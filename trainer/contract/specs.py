@@ -39,6 +39,7 @@ from trainer.contract.losses import ImportanceSamplingParams as ImportanceSampli
 from trainer.contract.losses import InputRule as InputRule
 from trainer.contract.losses import LossConfig as LossConfig
 from trainer.contract.losses import PpoParams as PpoParams
+from trainer.contract.losses import StableReinforceParams as StableReinforceParams
 from trainer.contract.optimizer import AdamParams as AdamParams
 from trainer.contract.optimizer import check_optimizer_config
 from trainer.contract.rules import check_finite

@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from trainer.contract.losses import LOSS_SPECS
 from trainer.contract.specs import ModelEntry
 from trainer.engine.session import TrainingSession
 from trainer.serving.catalogue import ResourceRow
@@ -167,10 +168,31 @@ def validated_call(
     return spec.call(parsed)
 
 
+def _rl_face_loss(loss: Any) -> None:
+    """A loss whose inputs only the Tinker face builds (`LossSpec.rl_face`) is a 400 on the RL
+    face."""
+    name = loss.get("type") if isinstance(loss, dict) else None
+    if not isinstance(name, str):
+        return  # the body's validation names what is wrong
+    key = name if name.startswith("LOSS_TYPE_") else f"LOSS_TYPE_{name.upper()}"
+    spec = LOSS_SPECS.get(key)
+    if spec is not None and not spec.rl_face:
+        raise bad_request(
+            f"loss.type: {key} is served on the Tinker face only (its sampler logprobs come "
+            "from the records that face keeps; docs/semantics.md §13)",
+            "loss.type",
+        )
+
+
 def prepare_call(
-    worker: Worker, session_id: str, spec: Operation, body: dict[str, Any]
+    worker: Worker,
+    session_id: str,
+    spec: Operation,
+    body: dict[str, Any],
+    rl_face: bool = True,
 ) -> EngineCall:
-    """Merge an uploaded payload, validate, check limits (blocking: runs in a thread)."""
+    """Merge an uploaded payload, validate, check limits (blocking: runs in a thread).
+    `rl_face`: the body came from the RL session API (not built by the Tinker face)."""
     payload_id = body.get("payload_id")
     if payload_id is not None:
         if not isinstance(payload_id, str):
@@ -178,6 +200,8 @@ def prepare_call(
         full = {k: v for k, v in body.items() if k != "payload_id"}
         full.update(worker.payloads.read_json(session_id, payload_id))
         body = full
+    if rl_face and spec.kind == "forward-backward":
+        _rl_face_loss(body.get("loss"))
     resource = worker.store.get(ResourceRow, worker.session(session_id).resource_id)
     entry = worker.config.model(resource.spec["base_model"]) if resource is not None else None
     if entry is None:

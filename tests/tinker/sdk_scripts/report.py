@@ -17,3 +17,12 @@ def print_result(main: Callable[[], dict[str, Any]]) -> None:
         traceback.print_exc()
         sys.exit(1)
     print(json.dumps(result), flush=True)
+
+
+def error_text(fn: Callable[[], Any]) -> str | None:
+    """What `fn()` raised, as `<type>: <message>` (None when it returned)."""
+    try:
+        fn()
+    except Exception as exc:  # the script reports what the SDK raised
+        return f"{type(exc).__name__}: {exc}"
+    return None

@@ -20,7 +20,7 @@ import tinker
 import torch
 from tinker import types
 
-from tests.tinker.sdk_scripts.report import print_result
+from tests.tinker.sdk_scripts.report import error_text, print_result
 
 LR = 1e-2
 RANK = 4
@@ -59,14 +59,6 @@ def logprobs_of(result: types.ForwardBackwardOutput) -> list[list[float]]:
 
 def summary(result: types.ForwardBackwardOutput) -> dict[str, Any]:
     return {"logprobs": logprobs_of(result), "metrics": dict(result.metrics)}
-
-
-def error_text(fn: Any) -> str | None:
-    try:
-        fn()
-    except Exception as exc:  # we report what the SDK raised
-        return f"{type(exc).__name__}: {exc}"
-    return None
 
 
 def main(base_model: str, download_dir: Path) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from trainer.api.tinker.records import (
     TinkerRecords,
     TinkerSession,
 )
+from trainer.api.tinker.stability import StabilityRecords
 from trainer.api.tinker.waiters import Waiters
 from trainer.contract.errors import OperationError
 from trainer.contract.specs import ModelEntry, ResourceSpec
@@ -103,6 +104,12 @@ class TinkerBridge:
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.db = TinkerRecords(worker.config.storage / "tinker.sqlite")
+        engine = worker.config.engine
+        self.stability = StabilityRecords(
+            worker.config.storage / "tinker_stability.sqlite",
+            engine.stability_ttl_s,
+            engine.stability_max_bytes,
+        )
         failed = self.db.recover()
         if failed:
             log.info("tinker: %d requests pending at the last stop failed cleanly", failed)
@@ -242,6 +249,7 @@ class TinkerBridge:
         try:
             ended = self._end_silent_sessions(now)
             self.db.prune(now - FUTURE_TTL_S)
+            self.stability.expire()
         except Exception as exc:  # a full disk: the next sweep tries again
             if not is_disk_full(exc):
                 raise
@@ -284,6 +292,7 @@ class TinkerBridge:
         with self._write_lock:
             self._closed = True
             self.db.close()
+            self.stability.close()
 
     # -- the catalogue, resources and sessions --------------------------------------------
 
@@ -344,7 +353,7 @@ class TinkerBridge:
         """Validate an operation body against the model's limits (a 400 naming the field,
         by its Tinker name)."""
         try:
-            return prepare_call(self.worker, session_id, OPERATIONS[kind], body)
+            return prepare_call(self.worker, session_id, OPERATIONS[kind], body, rl_face=False)
         except ApiError as exc:
             raise tinker_named(kind, exc) from None
 

@@ -6,7 +6,7 @@ Design notes: `docs/design/tinker.md`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -21,6 +21,7 @@ from trainer.api.tinker.convert_inputs import (
     token_ids,
     validated,
 )
+from trainer.api.tinker.stability import Provenance, parse_spans
 from trainer.contract.base import Spec
 from trainer.contract.losses import LOSS_SPECS, TOKEN_INPUTS
 from trainer.contract.optimizer import AdamParams
@@ -51,6 +52,9 @@ class _TinkerLoss:
     fixed: dict[str, Any] = field(default_factory=dict)  # engine params Tinker does not expose
     ones: bool = False  # a datum may omit the loss's required inputs: all ones (CE's weights)
     extra: tuple[str, ...] = ()  # Tinker-only inputs, mapped before the engine sees them
+    # the datums carry provenance spans: the inputs the registry says this face builds
+    # (`LossSpec.built`) come from the records they name (`trainer.api.tinker.stability`)
+    provenance: bool = False
 
 
 # Tinker's clip defaults (ε_low = ε_high = 0.2 in its loss docs)
@@ -71,11 +75,12 @@ _TINKER_LOSSES = {
         },
         extra=("sequence_ratio_mask",),
     ),
+    # the sampler's logprobs are the records', not the datum's (docs/semantics.md §13)
+    "stable_reinforce": _TinkerLoss(
+        "LOSS_TYPE_STABLE_REINFORCE", {"kl_coeff": 0.0, "truncation": 2.0}, provenance=True
+    ),
 }
 _REFUSED = {
-    "stable_reinforce": "stable_reinforce needs stability information recorded by the server at "
-    "sampling time, which the Tinker SDK does not specify; use importance_sampling, ppo, cispo, "
-    "dro or gspo",
     "custom": "server-side custom losses are not supported; use forward_backward_custom, which "
     "computes the loss on the client",
 }
@@ -136,7 +141,16 @@ def _tinker_loss(fbi: Mapping[str, Any]) -> tuple[str, _TinkerLoss]:
 def forward_backward_body(
     fbi: dict[str, Any], forward_only: bool, vocab_size: int | None = None
 ) -> dict[str, Any]:
-    """Tinker's `forward_backward_input` -> the body of our `forward-backward` operation.
+    """`forward_backward_request`'s body alone (a loss without provenance)."""
+    return forward_backward_request(fbi, forward_only, vocab_size)[0]
+
+
+def forward_backward_request(
+    fbi: dict[str, Any], forward_only: bool, vocab_size: int | None = None
+) -> tuple[dict[str, Any], list[Provenance] | None]:
+    """Tinker's `forward_backward_input` -> the body of our `forward-backward` operation, and
+    for `stable_reinforce` each datum's provenance spans, which `stability.resolve` turns into
+    the body's `logprobs` and `mask` (None for every other loss).
 
     `fbi` is `{"data": [Datum], "loss_fn": str, "loss_fn_config": dict | None}` as JSON or as
     `proto.decode_forward_backward_request` returns it; token ids (model inputs and target
@@ -153,9 +167,16 @@ def forward_backward_body(
     if not isinstance(data, list) or not data:
         raise TinkerInputError(f"{FBI}.data", "must be a non-empty list of datums")
     needs = Needs.of_loss(tinker.loss_type, params, by=f"loss {loss_fn}")
-    datums = [
-        _datum(d, f"{FBI}.data[{i}]", _Reads(needs, tinker, vocab_size)) for i, d in enumerate(data)
-    ]
+    built = LOSS_SPECS[tinker.loss_type].built
+    if built:
+        needs = replace(needs, required=tuple(n for n in needs.required if n not in built))
+    reads = _Reads(needs, tinker, vocab_size)
+    datums = [_datum(d, f"{FBI}.data[{i}]", reads) for i, d in enumerate(data)]
+    provenance = (
+        [_provenance(d, f"{FBI}.data[{i}]", datums[i]) for i, d in enumerate(data)]
+        if tinker.provenance
+        else None
+    )
     if loss_fn == "gspo":
         _gspo_inputs(datums)
     samples = []
@@ -170,13 +191,32 @@ def forward_backward_body(
                 "loss_fn_inputs": loss_fn_inputs,
             }
         )
-    return {
+    body = {
         "loss": loss,
         "samples": samples,
         "forward_only": forward_only,
         "return_loss_fn_outputs": True,
         "logprobs_unmasked": True,
     }
+    return body, provenance
+
+
+def _provenance(
+    datum: Mapping[str, Any], where: str, parsed: tuple[list[int], dict[str, np.ndarray]]
+) -> Provenance:
+    """A datum's spans over its model input and over its targets, each tiling its field."""
+    tokens, inputs = parsed
+    length = len(tokens)
+    cap = 2 * length + 2  # zero-length runs are allowed, a flood of them is not
+    return Provenance(
+        parse_spans(datum.get("model_input_spans"), f"{where}.model_input_spans", length, cap),
+        parse_spans(
+            datum.get("loss_fn_input_spans"),
+            f"{where}.loss_fn_input_spans",
+            len(inputs["target_tokens"]),
+            cap,
+        ),
+    )
 
 
 _DATUM_KEYS = {"model_input", "loss_fn_inputs", "model_input_spans", "loss_fn_input_spans"}
@@ -210,7 +250,8 @@ def _datum(datum: Any, where: str, call: _Reads) -> tuple[list[int], dict[str, n
     raw = datum.get("loss_fn_inputs") or {}
     if not isinstance(raw, Mapping):
         raise TinkerInputError(f"{where}.loss_fn_inputs", "must be an object")
-    reads = [*dict.fromkeys(("target_tokens", *needs.required, *tinker.extra))]
+    built = LOSS_SPECS[tinker.loss_type].built  # sent or not, replaced from the records
+    reads = [*dict.fromkeys(("target_tokens", *needs.required, *tinker.extra, *built))]
     reads += [rule.input for rule in needs.rules if rule.input not in reads]
     for name in raw:
         if name not in reads:
@@ -354,7 +395,6 @@ _SAMPLE_OFF = {
     "target_prompt_logprobs": None,
     "prompt_alt_tokens_k": 0,
     "prompt_logprobs_last_n": None,
-    "record_stability_info": None,
 }
 _SAMPLING_KEYS = ("max_tokens", "seed", "temperature", "top_k", "top_p")
 
@@ -366,10 +406,17 @@ def sample_body(req: dict[str, Any], vocab_size: int | None = None) -> dict[str,
     `stop`: a string or strings stop on text, token ids on those tokens
     (`stop_token_ids`); None keeps the EOS stop. `[]` (no EOS stop) is refused, as are the
     features we do not serve (top-k of sampled tokens, target / alternative prompt tokens,
-    `prompt_logprobs_last_n`, stability info), each naming its field."""
+    `prompt_logprobs_last_n`), each naming its field."""
     if not isinstance(req, Mapping):
         raise TinkerInputError("prompt", "the request must be an object")
-    known = {"prompt", "num_samples", "sampling_params", "prompt_logprobs", "topk_prompt_logprobs"}
+    known = {
+        "prompt",
+        "num_samples",
+        "sampling_params",
+        "prompt_logprobs",
+        "topk_prompt_logprobs",
+        "record_stability_info",  # the route's business (`stability`)
+    }
     for key in req:
         if key not in known and key not in _SAMPLE_ROUTING and key not in _SAMPLE_OFF:
             raise TinkerInputError(key, "is not a SampleRequest field")

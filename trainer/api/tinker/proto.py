@@ -69,10 +69,20 @@ CHUNK: Schema = {
     ),
     3: Field("dmel", "message", message={}, oneof="chunk"),
 }
+SPAN_RUN: Schema = {
+    1: Field("sequence_id", "string"),
+    2: Field("offset", "int64"),
+    3: Field("length", "int64"),
+}
+PROVENANCE_SPAN: Schema = {
+    1: Field("prompt_tokens", "message", message=SPAN_RUN, oneof="span"),
+    2: Field("sampled_tokens", "message", message=SPAN_RUN, oneof="span"),
+}
 DATUM: Schema = {
     1: Field("model_input", "message", repeated=True, message=CHUNK, cap="chunks"),
     2: Field("loss_fn_inputs", "map", value="message", message=TENSOR, cap="inputs"),
-    # 3, 4: provenance spans, not used by this worker (skipped as unknown fields)
+    3: Field("model_input_spans", "message", repeated=True, message=PROVENANCE_SPAN, cap="spans"),
+    4: Field("loss_fn_input_spans", "message", repeated=True, message=PROVENANCE_SPAN, cap="spans"),
 }
 LOSS_CONFIG_VALUE: Schema = {
     1: Field("number", "double", oneof="value"),
@@ -155,6 +165,7 @@ class _Limits:
         counts = {
             "datums": b.max_batch_size,
             "chunks": b.max_seq_length,
+            "spans": 2 * b.max_seq_length + 2,
             "inputs": b.max_inputs,
             "dims": MAX_DIMS,
             "config": MAX_CONFIG,
@@ -254,7 +265,19 @@ def _datum(datum: dict[str, Any], where: str, limits: _Limits, arrays: bool) -> 
         name: _tensor(tensor, f"{where}.loss_fn_inputs[{name!r}]", limits)
         for name, tensor in datum["loss_fn_inputs"].items()
     }
-    return {"model_input": {"chunks": chunks}, "loss_fn_inputs": inputs}
+    out: dict[str, Any] = {"model_input": {"chunks": chunks}, "loss_fn_inputs": inputs}
+    for name in ("model_input_spans", "loss_fn_input_spans"):
+        if datum[name]:  # proto3 cannot tell an empty list from none: both are absent
+            out[name] = [_span(span, f"{where}.{name}[{j}]") for j, span in enumerate(datum[name])]
+    return out
+
+
+def _span(msg: dict[str, Any], path: str) -> dict[str, Any]:
+    """A `ProvenanceSpan` as `trainer.api.tinker.stability` reads it: its one arm."""
+    for arm in ("prompt_tokens", "sampled_tokens"):
+        if msg[arm] is not None:
+            return {arm: dict(msg[arm])}
+    raise ProtoError(path, "a provenance span with neither prompt_tokens nor sampled_tokens")
 
 
 def decode_forward_backward_request(

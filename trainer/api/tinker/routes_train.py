@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 
 from trainer.api.http import json_object
-from trainer.api.tinker import convert, paths, proto
+from trainer.api.tinker import convert, paths, proto, stability
 from trainer.api.tinker.bridge import RequestFailed, TinkerBridge
 from trainer.api.tinker.identity import RequestKey, request_key
 from trainer.api.tinker.records import TinkerCheckpoint, TinkerModel, TinkerSession
@@ -93,7 +93,18 @@ async def forward_backward(request: Request) -> dict[str, Any]:
     forward_only = req.get("forward_only", False)
     vocab = vocab_size_of(bridge.worker, model.base_model)
     try:
-        body = await run_in_threadpool(convert.forward_backward_body, fbi, forward_only, vocab)
+        body, provenance = await run_in_threadpool(
+            convert.forward_backward_request, fbi, forward_only, vocab
+        )
+        if provenance is not None:  # stable_reinforce: the records its spans name
+            body = await run_in_threadpool(
+                stability.resolve,
+                bridge.stability,
+                model.tinker_session,
+                body,
+                provenance,
+                "forward_backward_input.data",
+            )
     except convert.TinkerInputError as exc:
         raise input_error(exc) from None
     forward_only = body["forward_only"]

@@ -26,8 +26,9 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 
 from trainer.api.http import json_object
-from trainer.api.tinker import convert, paths
+from trainer.api.tinker import convert, paths, stability
 from trainer.api.tinker.bridge import TinkerBridge, tinker_named
+from trainer.api.tinker.convert_inputs import flag
 from trainer.api.tinker.identity import request_key
 from trainer.api.tinker.records import TinkerSampler
 from trainer.api.tinker.requests import CreateSamplingSession
@@ -271,8 +272,16 @@ async def asample(request: Request) -> dict[str, Any]:
         )
     try:
         body = convert.sample_body(req, vocab_size_of(bridge.worker, sampler.base_model))
+        asked = req.get("record_stability_info")
+        record = asked is not None and flag(asked, "record_stability_info")
     except convert.TinkerInputError as exc:
         raise input_error(exc) from None
+    if record and not sampler.tinker_session:
+        raise bad_request(
+            "record_stability_info: records belong to a Tinker session; sample through a "
+            "sampling session (create_sampling_session) to record them",
+            "record_stability_info",
+        )
     call = await run_in_threadpool(_prepare_sample, bridge, sampler.base_model, body)
     key = await run_in_threadpool(request_key, request, sampler.id, "Sample", seq_id_of(req), body)
     if sampler_id is None:
@@ -280,18 +289,26 @@ async def asample(request: Request) -> dict[str, Any]:
     sessions = samplers_of(request)
 
     def work(request_id: str) -> dict[str, Any]:
+        out = _sample(request_id)
+        if record:  # what the generator returned, before the client can name it
+            prompt = body["model_inputs"][0]["chunks"][0]["encoded_text"]["tokens"]
+            records = stability.records_of_sample(sampler.tinker_session, request_id, prompt, out)
+            bridge.stability.put(records)
+        return convert.sample_output(out)
+
+    def _sample(request_id: str) -> dict[str, Any]:
         bound = sessions.binding(sampler)
         if bound is not None:  # the training session publishes these weights (`bind`)
             session_id, version = bound
             out = bridge.run(session_id, "sample", call, request_id)
             if _versions(out) == {version}:
-                return convert.sample_output(out)
+                return out
             assert sampler.checkpoint_id is not None
             sessions.unbind(sampler.checkpoint_id)  # published on since: the checkpoint's own
             request_id = f"{request_id}:checkpoint"
         held, session_id = sessions.acquire(sampler)
         try:
-            return convert.sample_output(bridge.run(session_id, "sample", call, request_id))
+            return bridge.run(session_id, "sample", call, request_id)
         finally:
             sessions.release(held)
 
