@@ -5,14 +5,17 @@ initialises it too)."""
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from tests.api.conftest import LiveServer, serve_in_thread
-from tests.tinker.conftest import VOCAB, build_tokenizer, run_in_venv
+from tests.tinker.conftest import REPO, VOCAB, build_tokenizer, run_in_venv
+from tests.tinker.test_stable_reinforce import check
 from tests.tinker.venv import tinker_python
 from trainer.tiny import TinySpec, save_model
 
@@ -79,3 +82,28 @@ def test_the_samples_ran_on_the_vllm_replica(server: LiveServer, run: dict[str, 
     (replica,) = live.engine.generator_status()["replicas"]
     assert replica["state"] == "HEALTHY"
     assert replica["samples"] >= len(run["steps"])
+
+
+@pytest.fixture(scope="module")
+def stable(server: LiveServer) -> dict[str, Any]:
+    script = str(REPO / "tests" / "tinker" / "sdk_scripts" / "stable_reinforce.py")
+    return run_in_venv(tinker_python(), server, [script, BASE], timeout=600)
+
+
+def test_stable_reinforce_records_what_the_replica_returned(
+    server: LiveServer, stable: dict[str, Any]
+) -> None:
+    """With samples from vLLM, the records hold the replica's own float32 logprobs (exactly
+    what the SDK got back), and the loss is rule 13 on them (docs/semantics.md §13)."""
+    db = sqlite3.connect(server.storage / "tinker_stability.sqlite")
+    for seq in stable["sequences"]:
+        (blob,) = db.execute(
+            "SELECT logprobs FROM records WHERE sequence_id = ?", (seq["id"],)
+        ).fetchone()
+        recorded = np.frombuffer(blob, dtype="<f4")
+        assert recorded.tolist() == np.asarray(seq["logprobs"], dtype=np.float32).tolist()
+    config = stable["config"]
+    on_policy = check(stable, stable["on_policy"], config["kl_coeff"], config["truncation"])
+    assert abs(on_policy["diff"]) <= TOL  # vLLM's logprobs against the trainer's
+    check(stable, stable["off_policy"], config["kl_coeff"], config["truncation"])
+    assert all(stable["errors"][case] for case in ("unknown_id", "foreign_id", "not_recorded"))
