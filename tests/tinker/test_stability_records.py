@@ -186,3 +186,23 @@ def test_resolve_takes_the_recorded_logprobs_not_the_datums(tmp_path: Path) -> N
     with pytest.raises(TinkerInputError) as info:
         resolve(records, "s2", body, [provenance], "data")
     assert info.value.field == "data[0].model_input_spans[0].sequence_id"
+
+
+def test_a_flooding_session_drops_only_its_own_records(tmp_path: Path) -> None:
+    """One tenant never hurts another: a session recording far past the budget loses its own
+    oldest records; a neighbour within its share keeps every one."""
+    clock = Clock()
+    probe = store(tmp_path / "probe", clock)
+    probe.put([record("req_00_0:0", "flood")])
+    size = probe.bytes  # of each flooding record
+    records = store(tmp_path, clock, max_bytes=10 * size)
+    neighbour = [f"req_n{i}:0" for i in range(4)]
+    records.put([record(sid, "quiet") for sid in neighbour])
+    for batch in range(50):  # 500 records, 50 budgets' worth
+        clock.now += 1
+        records.put([record(f"req_{batch:02d}_{i}:0", "flood") for i in range(10)])
+    assert set(records.use("quiet", neighbour)) == set(neighbour)
+    assert records.session_bytes("flood") <= records.share() == 5 * size
+    assert records.bytes <= 10 * size
+    newest = [f"req_49_{i}:0" for i in range(10)]
+    assert len(records.use("flood", newest)) == 5  # it keeps its most recent share

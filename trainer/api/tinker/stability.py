@@ -8,7 +8,8 @@ version that sampled it: what the generator that served the sample returned (the
 loop or a vLLM replica). Records live in `<storage>/tinker_stability.sqlite`, so a restart
 keeps them; each belongs to the Tinker session that sampled it, expires `ttl_s` after its last
 use (each training request that names it restarts the clock) and is kept within `max_bytes`,
-least recently used dropped first.
+least recently used dropped first: a session past its share of the budget loses its own
+oldest records, never another session's (as routing-replay keys do).
 
 A `stable_reinforce` datum tiles its `model_input` and its `target_tokens` with spans, each
 naming a record and an offset into its prompt (`prompt_tokens`) or its sampled tokens
@@ -35,6 +36,8 @@ from trainer.api.tinker.convert_inputs import TinkerInputError
 from trainer.serving.catalogue import open_db
 
 PROMPT, SAMPLED = "prompt_tokens", "sampled_tokens"
+SHARE_FLOOR = 16
+"""A session's share of the byte budget is never below `max_bytes // SHARE_FLOOR`."""
 UNKNOWN = (
     "names no stability record of this session (unknown, expired, or sampled by another "
     "session; sample with record_stability_info=True)"
@@ -44,6 +47,7 @@ CREATE TABLE IF NOT EXISTS records (
     sequence_id TEXT PRIMARY KEY, tinker_session TEXT, prompt BLOB, tokens BLOB,
     logprobs BLOB, version INTEGER, nbytes INTEGER, last_used_at REAL);
 CREATE INDEX IF NOT EXISTS records_used ON records (last_used_at);
+CREATE INDEX IF NOT EXISTS records_owner ON records (tinker_session, last_used_at);
 """
 
 
@@ -86,8 +90,9 @@ class StabilityRecords:
         self.clock = clock
         self._lock = threading.Lock()
         self._db = open_db(path, _SCHEMA)
-        row = self._db.execute("SELECT COALESCE(SUM(nbytes), 0) FROM records").fetchone()
-        self._bytes = int(row[0])
+        self._bytes = 0
+        self._owned: dict[str, int] = {}  # tinker session -> bytes of its records
+        self._recount()
 
     def close(self) -> None:
         with self._lock:
@@ -101,9 +106,20 @@ class StabilityRecords:
         with self._lock:
             return int(self._db.execute("SELECT COUNT(*) FROM records").fetchone()[0])
 
+    def share(self) -> int:
+        """Bytes each session with records may hold: the budget split between them, and at
+        least `max_bytes // SHARE_FLOOR`."""
+        sessions = max(sum(1 for size in self._owned.values() if size > 0), 1)
+        return max(self.max_bytes // sessions, self.max_bytes // SHARE_FLOOR)
+
+    def session_bytes(self, tinker_session: str) -> int:
+        with self._lock:
+            return self._owned.get(tinker_session, 0)
+
     def put(self, records: Sequence[Record]) -> None:
-        """Store `records` (one transaction), then drop expired records and, past the byte
-        budget, the least recently used ones."""
+        """Store `records` (one transaction), then drop expired records and, past its share of
+        the byte budget, the writing session's least recently used ones (never another
+        session's while it holds no more than its share)."""
         now = self.clock()
         rows = []
         for r in records:
@@ -118,63 +134,80 @@ class StabilityRecords:
             self._db.execute("BEGIN")
             try:
                 for row in rows:
-                    old = self._db.execute(
-                        "SELECT nbytes FROM records WHERE sequence_id = ?", (row[0],)
-                    ).fetchone()
-                    if old is not None:
-                        self._bytes -= int(old[0])
-                    self._db.execute(
-                        "INSERT OR REPLACE INTO records VALUES (?, ?, ?, ?, ?, ?, ?, ?)", row
-                    )
-                    self._bytes += int(row[6])
+                    self._delete("sequence_id = ?", (row[0],))  # a replaced record's bytes
+                    self._db.execute("INSERT INTO records VALUES (?, ?, ?, ?, ?, ?, ?, ?)", row)
+                    self._count(str(row[1]), int(row[6]))
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
-                self._bytes = int(
-                    self._db.execute("SELECT COALESCE(SUM(nbytes), 0) FROM records").fetchone()[0]
-                )
+                self._recount()
                 raise
-            self._trim(now)
+            self._trim(now, {str(row[1]) for row in rows})
 
     def expire(self) -> int:
         """Drop the records unused for `ttl_s` (the periodic sweep); how many went."""
         with self._lock:
-            return self._trim(self.clock())
+            return self._trim(self.clock(), set())
 
-    def _trim(self, now: float) -> int:
-        """Under the lock: expired records out, then the oldest used past the budget."""
+    def _count(self, tinker_session: str, size: int) -> None:
+        self._bytes += size
+        self._owned[tinker_session] = self._owned.get(tinker_session, 0) + size
+        if self._owned[tinker_session] <= 0:
+            del self._owned[tinker_session]
+
+    def _recount(self) -> None:
+        rows = self._db.execute(
+            "SELECT tinker_session, SUM(nbytes) FROM records GROUP BY tinker_session"
+        ).fetchall()
+        self._owned = {str(session): int(size) for session, size in rows}
+        self._bytes = sum(self._owned.values())
+
+    def _trim(self, now: float, writers: set[str]) -> int:
+        """Under the lock: expired records out; each writer over its share loses its least
+        recently used; past the whole budget (more than `SHARE_FLOOR` sessions hold records),
+        the least recently used of all."""
         gone = self._delete("last_used_at < ?", (now - self.ttl_s,))
+        share = self.share()
+        for session in writers:
+            while self._owned.get(session, 0) > share:
+                gone += self._drop_oldest(
+                    self._owned[session] - share, "WHERE tinker_session = ?", (session,)
+                )
         while self._bytes > self.max_bytes:
-            oldest = self._db.execute(
-                "SELECT sequence_id FROM records ORDER BY last_used_at, sequence_id LIMIT 256"
-            ).fetchall()
-            if not oldest:
-                break
-            need, dropped = self._bytes - self.max_bytes, []
-            for (sequence_id,) in oldest:
-                dropped.append(sequence_id)
-                need -= self._size(sequence_id)
-                if need <= 0:
-                    break
-            marks = ", ".join("?" for _ in dropped)
-            gone += self._delete(f"sequence_id IN ({marks})", tuple(dropped))
+            gone += self._drop_oldest(self._bytes - self.max_bytes, "", ())
         return gone
 
-    def _size(self, sequence_id: str) -> int:
-        row = self._db.execute(
-            "SELECT nbytes FROM records WHERE sequence_id = ?", (sequence_id,)
-        ).fetchone()
-        return int(row[0]) if row is not None else 0
+    def _drop_oldest(self, need: int, where: str, params: tuple[Any, ...]) -> int:
+        """The least recently used records (of `where`) holding at least `need` bytes."""
+        oldest = self._db.execute(
+            f"SELECT sequence_id, nbytes FROM records {where} "
+            "ORDER BY last_used_at, sequence_id LIMIT 256",
+            params,
+        ).fetchall()
+        dropped = []
+        for sequence_id, size in oldest:
+            dropped.append(sequence_id)
+            need -= int(size)
+            if need <= 0:
+                break
+        if not dropped:
+            self._recount()  # the counts disagree with the table: trust the table
+            return 0
+        marks = ", ".join("?" for _ in dropped)
+        return self._delete(f"sequence_id IN ({marks})", tuple(dropped))
 
     def _delete(self, where: str, params: tuple[Any, ...]) -> int:
-        size = self._db.execute(
-            f"SELECT COALESCE(SUM(nbytes), 0), COUNT(*) FROM records WHERE {where}", params
-        ).fetchone()
-        if not size[1]:
+        sizes = self._db.execute(
+            f"SELECT tinker_session, SUM(nbytes), COUNT(*) FROM records WHERE {where} "
+            "GROUP BY tinker_session",
+            params,
+        ).fetchall()
+        if not sizes:
             return 0
         self._db.execute(f"DELETE FROM records WHERE {where}", params)
-        self._bytes -= int(size[0])
-        return int(size[1])
+        for session, size, _ in sizes:
+            self._count(str(session), -int(size))
+        return sum(int(count) for _, _, count in sizes)
 
     def use(self, tinker_session: str, sequence_ids: Sequence[str]) -> dict[str, Record]:
         """The live records of `tinker_session` among `sequence_ids`, each one's clock
