@@ -228,6 +228,19 @@ MALFORMED: list[tuple[str, dict[str, Any] | str, str]] = [
         "samples[0].model_input",
     ),  # type: ignore[list-item]
     ("forward-backward", _fb([GOOD], {"type": "LOSS_TYPE_DRO"}), "loss"),
+    (  # its sampler logprobs come from the Tinker face's records (docs/semantics.md §13)
+        "forward-backward",
+        _fb(
+            [policy_sample(SEQUENCES[0], [-1.0] * N, [1.0] * N)],
+            {"type": "LOSS_TYPE_STABLE_REINFORCE"},
+        ),
+        "loss.type",
+    ),
+    (
+        "forward-backward",
+        _fb([policy_sample(SEQUENCES[0], [-1.0] * N, [1.0] * N)], {"type": "stable_reinforce"}),
+        "loss.type",
+    ),
     (
         "forward-backward",
         _fb(
