@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from tests.engine.helpers import model_input, random_batch
+from trainer.checkpoint.export import AdapterExport
 from trainer.contract.options import EngineOptions
 from trainer.contract.specs import (
     AdamParams,
@@ -28,6 +29,8 @@ OPTIONS = EngineOptions(row_tokens=16, token_budget=16, chunk_tokens=8)
 # Losses and gradient norms are compared at every step whatever eps is.
 ADAM = AdamParams(learning_rate=1e-3, eps=1e-4)
 PROMPT = [5, 6, 7, 8]
+# a recipient whose identity nobody keeps: the 2-rank run only shows the export crosses ranks
+RECIPIENT = "age1ql3z7hjy54pw3hyww5ayyfg7zqgvc7w3j2elw8zmrj2kg5sfn9aqmcac8p"
 
 
 def entry(model_dir: str) -> ModelEntry:
@@ -88,8 +91,20 @@ def drive(resource: Any, kind: str) -> dict[str, Any]:
     out["step"] = session.step
     out["training"] = session.save_training_checkpoint().id
     out["inference"] = str(session.save_inference_checkpoint().path)
+    out.update(exports(session, kind))
     resource.close_session(f"{kind}-a")
     return out
+
+
+def exports(session: Any, kind: str) -> dict[str, str]:
+    """A LoRA session's adapter exports (Tinker's naming), plain and age-encrypted."""
+    if kind != "lora":
+        return {}
+    plain, sealed = AdapterExport("tinker"), AdapterExport("tinker", (RECIPIENT,))
+    return {
+        "export": str(session.save_inference_checkpoint(export=plain).path),
+        "sealed": str(session.save_inference_checkpoint(export=sealed).path),
+    }
 
 
 def resume_and_save(resource: Any, kind: str, checkpoint_id: str) -> dict[str, str]:
@@ -99,6 +114,7 @@ def resume_and_save(resource: Any, kind: str, checkpoint_id: str) -> dict[str, s
     saved = {
         "training": session.save_training_checkpoint().id,
         "inference": str(session.save_inference_checkpoint().path),
+        **exports(session, kind),
     }
     resource.close_session(f"{kind}-r")
     return saved

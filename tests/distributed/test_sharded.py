@@ -213,6 +213,15 @@ def test_inference_checkpoint_is_identical_whatever_the_world_size(runs: Runs, k
     assert ("adapter/adapter_model.safetensors" in names) == (kind == "lora")
     for name in names:
         assert (one / name).read_bytes() == (two / name).read_bytes(), name
+    if kind == "lora":  # the adapter exports too, the export's arguments sent to every rank
+        one, two = Path(runs.one[kind]["export"]), Path(runs.two[kind]["resumed"]["export"])
+        for name in ("adapter/adapter_config.json", "adapter/adapter_model.safetensors"):
+            assert (one / name).read_bytes() == (two / name).read_bytes(), name
+        sealed = Path(runs.two[kind]["resumed"]["sealed"]) / "adapter"
+        assert sorted(p.name for p in sealed.iterdir()) == [
+            "adapter_config.json.age",
+            "adapter_model.safetensors.age",
+        ]
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,8 @@ the tokenizer's, so every sampled id decodes.
   `\\boxed{1}` and its groups get non-zero advantages.
 - `Qwen/Qwen3-8B` (renderer `qwen3`), weights scaled 8x: logprobs far from uniform, for the SDK
   checks that compare numbers.
+- `meta-llama/Llama-3.1-8B`, a tiny Llama with an untied head (`UNTIED_MODEL`; the two Qwen3s
+  tie theirs, as Qwen3 up to 4B does), weights scaled 8x: the weight-export checks on both.
 
 The SDK (tinker 0.38, which `together` cannot share an environment with) runs in the venv of
 `tests/tinker/venv.py`, as a subprocess: `run_in_venv` runs a script there with
@@ -39,6 +41,7 @@ REPO = HERE.parent.parent
 
 COOKBOOK_MODEL = "Qwen/Qwen3-4B-Instruct-2507"
 SDK_MODEL = "Qwen/Qwen3-8B"
+UNTIED_MODEL = "meta-llama/Llama-3.1-8B"
 
 SPECIAL = ["<|endoftext|>", "<|im_end|>", "<|im_start|>", "<think>", "</think>", "[UNK]"]
 BOXED = ["\\boxed{0}", "\\boxed{1}"]
@@ -71,10 +74,21 @@ def build_tokenizer(out_dir: Path) -> Path:
     return out_dir
 
 
-def build_served_model(out_dir: Path, scale: float, seed: int, tokenizer_dir: Path) -> Path:
-    """A tiny Qwen3 with the tokenizer's vocabulary; the tokenizer saved to `tokenizer_dir`
-    (the model's own directory, or another one that the catalogue entry names)."""
-    spec = TinySpec(arch="qwen3", vocab=len(VOCAB), tied=True, bos=None, eos=1, pad=0, scale=scale)
+def build_served_model(
+    out_dir: Path, scale: float, seed: int, tokenizer_dir: Path, arch: str = "qwen3"
+) -> Path:
+    """A tiny Qwen3 (tied head) or Llama (untied) with the tokenizer's vocabulary; the
+    tokenizer saved to `tokenizer_dir` (the model's own directory, or another one that the
+    catalogue entry names)."""
+    spec = TinySpec(
+        arch="llama" if arch == "llama" else "qwen3",
+        vocab=len(VOCAB),
+        tied=arch == "qwen3",
+        bos=None,
+        eos=1,
+        pad=0,
+        scale=scale,
+    )
     save_model(spec, out_dir, seed)
     build_tokenizer(tokenizer_dir)
     return out_dir
@@ -88,10 +102,11 @@ def venv_python() -> Path:
 @pytest.fixture(scope="session")
 def served_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tinker-models")
-    cookbook, sdk = root / "cookbook", root / "sdk"
+    cookbook, sdk, untied = root / "cookbook", root / "sdk", root / "untied"
     return {
         COOKBOOK_MODEL: build_served_model(cookbook, scale=1.0, seed=3, tokenizer_dir=cookbook),
         SDK_MODEL: build_served_model(sdk, scale=8.0, seed=0, tokenizer_dir=root / "tokenizer"),
+        UNTIED_MODEL: build_served_model(untied, 8.0, 1, tokenizer_dir=untied, arch="llama"),
     }
 
 

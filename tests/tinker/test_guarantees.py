@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import pyrage
 import pytest
 
 from tests.api.conftest import TOKEN, LiveServer, serve_in_thread
@@ -36,6 +37,7 @@ from trainer.api.tinker.protowire import write_message
 from trainer.engine.resource import COMPUTE_LOCK
 
 BODY_MAX = 1 << 20
+AGE = str(pyrage.x25519.Identity.generate().to_public())  # a valid age recipient
 LIMITS = {"max_seq_length": 32, "max_batch_size": 4, "max_tokens_per_call": 96, "max_lora_rank": 8}
 GOOD_AUTH = [
     {"X-API-Key": TOKEN},
@@ -201,7 +203,13 @@ BREAKS: dict[str, list[tuple[str, Any, str]]] = {
         ("model_id", None, "model_id"),
         ("path", None, "path"),
         ("path", "..", "path"),
-        ("age_encryption_recipients", ["age1x"], "age_encryption_recipients"),
+        ("age_encryption_recipients", ["age1x"], "age_encryption_recipients[0]"),
+        ("age_encryption_recipients", [AGE, "ssh-ed25519 AAAA"], "age_encryption_recipients[1]"),
+        ("age_encryption_recipients", ["AGE-SECRET-KEY-1X"], "age_encryption_recipients[0]"),
+        ("age_encryption_recipients", [AGE, 5], "age_encryption_recipients[1]"),
+        ("age_encryption_recipients", [], "age_encryption_recipients"),
+        ("age_encryption_recipients", [AGE] * 11, "age_encryption_recipients"),
+        ("age_encryption_recipients", AGE, "age_encryption_recipients"),
     ],
     "/load_weights": [
         ("path", None, "path"),

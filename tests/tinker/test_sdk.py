@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from safetensors.torch import load_file, save_file
 
 from tests.api.conftest import LiveServer, serve_in_thread
 from tests.faults.procs import CE, ce_sample, forward_logprobs, new_resource, new_session, output
@@ -215,12 +216,27 @@ def test_external_weights_download_through_signed_urls(
     run: dict[str, Any], served_models: dict[str, Path], downloads: Path
 ) -> None:
     """`save_weights_external` + `get_external_weights_urls`: the files come without the API
-    key, load with plain peft, and give the trained model's logprobs."""
+    key, in Tinker's naming (the head's LoRA is `model.unembed_tokens`); renamed to PEFT's
+    `lm_head` here, they load with plain peft and give the trained model's logprobs."""
     external = run["external"]
     assert external["path"].startswith(f"tinker://{run['info']['model_id']}/")
-    assert "adapter_config.json" in external["files"]
+    assert sorted(external["files"]) == ["adapter_config.json", "adapter_model.safetensors"]
     assert run["unsigned_status"] in (401, 403)
-    reference = base_logprobs(served_models[SDK_MODEL], run["data"], adapter=downloads)
+    peft_dir = downloads.parent / f"{downloads.name}-peft"
+    peft_dir.mkdir(exist_ok=True)
+    tensors = load_file(str(downloads / "adapter_model.safetensors"))
+    head, unembed = "base_model.model.lm_head.", "base_model.model.model.unembed_tokens."
+    assert any(k.startswith(unembed) for k in tensors) and not any("lm_head" in k for k in tensors)
+    renamed = {
+        (head + k[len(unembed) :] if k.startswith(unembed) else k): v for k, v in tensors.items()
+    }
+    save_file(renamed, str(peft_dir / "adapter_model.safetensors"))
+    config = json.loads((downloads / "adapter_config.json").read_text())
+    config["target_modules"] = [
+        "lm_head" if t == "unembed_tokens" else t for t in config["target_modules"]
+    ]
+    (peft_dir / "adapter_config.json").write_text(json.dumps(config))
+    reference = base_logprobs(served_models[SDK_MODEL], run["data"], adapter=peft_dir)
     for got, ref in zip(run["after_step1"], reference, strict=True):
         np.testing.assert_allclose(arr(got), ref, atol=1e-4)
 

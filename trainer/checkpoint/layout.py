@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
+from trainer.checkpoint.export import AdapterExport, from_tinker, write_adapter
 from trainer.checkpoint.store import (
     ADAPTER_DIR,
     MERGED_DIR,
@@ -154,11 +155,18 @@ def write_inference(policy: Policy, out: Path, tokenizer: Any, source: Any = Non
     model, deltas, adapter = policy.export_parts()
     if adapter is not None:
         tensors, config = adapter
-        directory = out / ADAPTER_DIR
-        directory.mkdir(parents=True)
-        save_file(tensors, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
-        (directory / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        write_adapter(out / ADAPTER_DIR, tensors, config, AdapterExport(naming="peft"))
     save_merged(model if source is None else source, out / MERGED_DIR, deltas, tokenizer)
+
+
+def write_export(policy: Policy, out: Path, export: AdapterExport) -> None:
+    """An adapter export's servable weights: `adapter/` alone, in the export's naming and
+    encrypted to its recipients (`checkpoint/export.py`); no merged model."""
+    adapter = policy.adapter_parts()
+    if adapter is None:
+        raise ValueError("export: an adapter export needs a LoRA session")
+    tensors, config = adapter
+    write_adapter(out / ADAPTER_DIR, tensors, config, export)
 
 
 def inference_weights(path: Path, lora: bool) -> Path:
@@ -259,8 +267,9 @@ def read_sharded(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def read_directory(source: Path, adapter: bool) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
-    """A PEFT adapter directory (its LoRA config and tensors) or a full model directory (the
-    default config and its weights): an inference checkpoint's or a Hugging Face one."""
+    """A PEFT adapter directory (its LoRA config and tensors, in PEFT's naming or Tinker's)
+    or a full model directory (the default config and its weights): an inference checkpoint's,
+    an adapter export's or a Hugging Face one."""
     if not adapter:
         return LoraConfig(), read_model_weights(source)
     raw = json.loads((source / "adapter_config.json").read_text())
@@ -270,10 +279,10 @@ def read_directory(source: Path, adapter: bool) -> tuple[LoraConfig, dict[str, t
         "rank": raw["r"],
         "alpha": raw["lora_alpha"],
         "dropout": raw.get("lora_dropout", 0.0),
-        "train_unembed": "lm_head" in names,
+        "train_unembed": "lm_head" in names or "unembed_tokens" in names,
     }
     config = LoraConfig.model_validate(fields, strict=False)  # PEFT may write 16.0 for 16
-    return config, load_file(str(source / "adapter_model.safetensors"))
+    return config, from_tinker(load_file(str(source / "adapter_model.safetensors")))
 
 
 def load_directory_weights(

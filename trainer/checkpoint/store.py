@@ -440,6 +440,25 @@ class CheckpointStore:
         """(filename within the variant, absolute path) for a download variant."""
         return [(e.name, e.path) for e in self.variant_files(checkpoint_id, variant)]
 
+    def delete(self, checkpoint_id: str) -> bool:
+        """Remove a checkpoint, its row and its files; False if it is not catalogued. Its
+        directory moves under `tmp/` first (one rename), so it is never listed half gone: a
+        crash after the rename leaves a row without a directory, which the next start unlists,
+        and a leftover in `tmp/`, which it sweeps."""
+        record = self.get(checkpoint_id)
+        if record is None:
+            return False
+        doomed = self.tmp / f"{checkpoint_id}.deleted"
+        if record.path.exists():
+            os.rename(record.path, doomed)
+            fsync_dir(self.dir)
+        with self._lock:
+            self._db.execute("DELETE FROM checkpoints WHERE id = ?", (checkpoint_id,))
+            self._db.commit()
+            self._manifests.pop(checkpoint_id, None)
+        shutil.rmtree(doomed, ignore_errors=True)
+        return True
+
     def close(self) -> None:
         with self._lock:
             self._db.close()

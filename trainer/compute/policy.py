@@ -135,6 +135,11 @@ class Policy(abc.ABC):
         `(tensors, adapter_config)` for LoRA, else None. `training_state.write_inference`
         lays them out."""
 
+    def adapter_parts(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+        """The PEFT adapter alone, `(tensors, adapter_config)` on the CPU, for LoRA; None for
+        full weights. An adapter export needs nothing else (no deltas, no merged model)."""
+        return None
+
     def snapshot(self) -> dict[str, torch.Tensor]:
         return {name: p.detach().clone() for name, p in self.trainable.items()}
 
@@ -346,9 +351,11 @@ class LoraPolicy(Policy):
                         out[f"{path}.{kind}{suffix}{name}".replace(suffix, ".")] = experts
         return out
 
+    def adapter_parts(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return self.adapter_state(), self.peft_config_dict()
+
     def export_parts(self) -> tuple[Any, dict[str, torch.Tensor], Any]:
-        adapter = (self.adapter_state(), self.peft_config_dict())
-        return self.model, self.lora_deltas(), adapter
+        return self.model, self.lora_deltas(), self.adapter_parts()
 
     def close(self) -> None:
         with quiet_peft_warnings():

@@ -16,6 +16,7 @@ from typing import Any, cast, get_type_hints
 
 from pydantic import TypeAdapter
 
+from trainer.checkpoint.export import is_encrypted
 from trainer.checkpoint.store import CheckpointCorrupt, CheckpointRecord, CheckpointStore
 from trainer.contract.errors import OperationError
 from trainer.contract.options import EngineOptions
@@ -317,8 +318,9 @@ class DistributedResource:
         checkpoints = []
         if spec.resume_from_checkpoint_id:  # the other ranks resume what rank 0 verified
             with contextlib.suppress(KeyError, CheckpointCorrupt):
-                record, _ = self.store.open(spec.resume_from_checkpoint_id)
-                checkpoints.append(record.to_json())
+                record, manifest = self.store.open(spec.resume_from_checkpoint_id)
+                if not is_encrypted(manifest):  # an encrypted export: every rank refuses it
+                    checkpoints.append(record.to_json())
         command = {
             "op": "create_session",
             "resource": self.id,

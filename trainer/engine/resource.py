@@ -16,6 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint import base_weights, layout
+from trainer.checkpoint.export import ENCRYPTED_EXPORT, is_encrypted
 from trainer.checkpoint.layout import tied_source
 from trainer.checkpoint.store import INFERENCE, CheckpointCorrupt, CheckpointStore
 from trainer.compute.model import (
@@ -221,11 +222,13 @@ class ModelResource:
         field = "resume_from_checkpoint_id"
         checkpoint_id = spec.resume_from_checkpoint_id or ""
         try:
-            record, _ = self.store.open(checkpoint_id)
+            record, manifest = self.store.open(checkpoint_id)
         except KeyError:
             raise invalid(field, f"no checkpoint {checkpoint_id!r}") from None
         except CheckpointCorrupt as exc:
             raise invalid(field, str(exc)) from None
+        if is_encrypted(manifest):
+            raise invalid(field, f"checkpoint {checkpoint_id} {ENCRYPTED_EXPORT}")
         state = layout.read_state(record.path)
         if state["base_model"] != self.entry.name:
             raise invalid(

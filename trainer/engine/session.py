@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from trainer.checkpoint import layout
+from trainer.checkpoint.export import AdapterExport
 from trainer.checkpoint.store import INFERENCE, TRAINING, CheckpointRecord, write_json
 from trainer.compute import optim
 from trainer.compute.batch import MicroBatch, PreparedSample, check_rules, prepare_samples
@@ -340,21 +341,35 @@ class TrainingSession:
         self.training_checkpoints.append(record)
         return record
 
-    def save_inference_checkpoint(self) -> CheckpointRecord:
+    def save_inference_checkpoint(self, export: AdapterExport | None = None) -> CheckpointRecord:
         """LoRA: `adapter/` (PEFT) + `merged/`; full weights: `merged/`. Sharded weights are
-        gathered to rank 0, which writes; the other ranks' result is never read."""
-        with self.operation_scope():
-            source = self.resource.placement.full_state(self.policy.model)
+        gathered to rank 0, which writes; the other ranks' result is never read.
+
+        With `export` (the Tinker face's `save_weights_external`; no RL-face operation sets
+        it): `adapter/` alone, in the export's naming, encrypted to its age recipients
+        (`checkpoint/export.py`), and nothing gathered. LoRA only."""
+        if export is not None and self.lora_config is None:
+            raise OperationError(
+                "INVALID_INPUT", "export: an adapter export needs a LoRA session", "export"
+            )
+        source = None
+        if export is None:
+            with self.operation_scope():
+                source = self.resource.placement.full_state(self.policy.model)
         if self.comm.rank != 0:
             return layout.placeholder_record()
         state = layout.state_json(self)
 
         def writer(out: Path) -> None:
-            layout.write_inference(self.policy, out, self.resource.tokenizer, source)
+            if export is None:
+                layout.write_inference(self.policy, out, self.resource.tokenizer, source)
+            else:
+                layout.write_export(self.policy, out, export)
             write_json(out / "state.json", state)
 
+        meta = {} if export is None else {"export": export.meta()}
         with self.operation_scope():
-            record = self._store(INFERENCE, writer)
+            record = self._store(INFERENCE, writer, **meta)
         self.inference_checkpoints.append(record)
         return record
 

@@ -65,9 +65,13 @@ class Operation:
     # the resource's optimizer_config, as a 400 (params of the other optimizer)
     check_optimizer: Callable[[Any, dict[str, Any]], None] | None = None
 
-    def call(self, body: BaseModel) -> Callable[[Any], dict[str, Any]]:
-        """What the worker queues: the engine session in, the operation's wire JSON out."""
-        args = self.args(body)
+    def call(
+        self, body: BaseModel, extra: dict[str, Any] | None = None
+    ) -> Callable[[Any], dict[str, Any]]:
+        """What the worker queues: the engine session in, the operation's wire JSON out.
+        `extra`: keyword arguments of the engine method that no request body carries (the
+        Tinker face's adapter export)."""
+        args = {**self.args(body), **(extra or {})}
         return lambda session: self.wire(lambda: getattr(session, self.method)(**args))
 
 
@@ -154,9 +158,10 @@ def validated_call(
     entry: ModelEntry,
     optimizer_config: dict[str, Any] | None = None,
     vocab_size: int | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> EngineCall:
     """A body checked against its model (and vocabulary, where known) and type, turned into
-    the call the worker queues."""
+    the call the worker queues (with `extra` keyword arguments: `Operation.call`)."""
     try:
         parsed = spec.body.model_validate(body)
     except ValidationError as exc:
@@ -165,7 +170,7 @@ def validated_call(
         spec.check(parsed, entry, vocab_size)
     if spec.check_optimizer is not None:
         spec.check_optimizer(parsed, optimizer_config or {"adam": {}})
-    return spec.call(parsed)
+    return spec.call(parsed, extra)
 
 
 def _rl_face_loss(loss: Any) -> None:
@@ -189,6 +194,7 @@ def prepare_call(
     session_id: str,
     spec: Operation,
     body: dict[str, Any],
+    extra: dict[str, Any] | None = None,
     rl_face: bool = True,
 ) -> EngineCall:
     """Merge an uploaded payload, validate, check limits (blocking: runs in a thread).
@@ -207,4 +213,4 @@ def prepare_call(
     if entry is None:
         raise bad_request("the session's base model is no longer served", "session_id")
     config = resource.spec.get("optimizer_config") if resource is not None else None
-    return validated_call(spec, body, entry, config, vocab_size_of(worker, entry.name))
+    return validated_call(spec, body, entry, config, vocab_size_of(worker, entry.name), extra)

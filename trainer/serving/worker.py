@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.checkpoint.export import ENCRYPTED_EXPORT, stored_encrypted
 from trainer.checkpoint.store import CheckpointStore
 from trainer.contract.errors import OperationError
 from trainer.contract.specs import LoraConfig, ModelEntry, ResourceSpec, SessionSpec
@@ -230,6 +231,8 @@ class Worker:
             record = self.checkpoints.get(body.resume_from_checkpoint_id)
             if record is None:
                 raise not_found("checkpoint", body.resume_from_checkpoint_id, field)
+            if stored_encrypted(self.checkpoints, record.id):
+                raise bad_request(f"{field}: checkpoint {record.id} {ENCRYPTED_EXPORT}", field)
             limit = live_res.entry.max_lora_rank
             if lora_enabled and record.lora_rank is not None and record.lora_rank > limit:
                 raise bad_request(

@@ -19,6 +19,7 @@ from trainer.api.http import (
     verify_signed,
     worker_of,
 )
+from trainer.checkpoint.export import stored_export
 from trainer.checkpoint.store import (
     INFERENCE,
     TRAINING,
@@ -244,6 +245,12 @@ async def download_checkpoint(
     except CheckpointCorrupt as exc:
         raise _corrupt(exc) from None
     except KeyError:
+        if short == "MERGED" and stored_export(worker.checkpoints, checkpoint_id):
+            raise bad_request(
+                f"variant: checkpoint {checkpoint_id} is an adapter export (the Tinker face's "
+                "save_weights_external): it has CHECKPOINT_VARIANT_ADAPTER only",
+                "variant",
+            ) from None
         if short == "ADAPTER" and record.lora_rank is None:
             raise bad_request(
                 f"variant: checkpoint {checkpoint_id} is a full-weight checkpoint; "

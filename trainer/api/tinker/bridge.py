@@ -349,11 +349,19 @@ class TinkerBridge:
 
     # -- operations ------------------------------------------------------------------------
 
-    def prepare(self, session_id: str, kind: str, body: dict[str, Any]) -> EngineCall:
+    def prepare(
+        self,
+        session_id: str,
+        kind: str,
+        body: dict[str, Any],
+        extra: dict[str, Any] | None = None,
+    ) -> EngineCall:
         """Validate an operation body against the model's limits (a 400 naming the field,
-        by its Tinker name)."""
+        by its Tinker name); `extra`: engine keyword arguments no body carries."""
         try:
-            return prepare_call(self.worker, session_id, OPERATIONS[kind], body, rl_face=False)
+            return prepare_call(
+                self.worker, session_id, OPERATIONS[kind], body, extra, rl_face=False
+            )
         except ApiError as exc:
             raise tinker_named(kind, exc) from None
 

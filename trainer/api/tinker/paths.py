@@ -3,8 +3,9 @@
 A checkpoint saved through the Tinker API is recorded under its path (`save_weights` ->
 `weights/<name>`, a training checkpoint; `save_weights_for_sampler` -> `sampler_weights/<name>`,
 an inference checkpoint; `save_weights_external` -> `external_weights/<name>`, an inference
-checkpoint too, whose PEFT adapter files download through signed URLs). A checkpoint saved
-through the RL session API has the path
+checkpoint holding the LoRA adapter alone, in Tinker's naming and optionally age-encrypted,
+whose files download through signed URLs). A checkpoint saved through the RL session API has
+the path
 `tinker://<training session id>/<segment>/<checkpoint id>`, so either face resumes, lists and
 downloads what the other saved.
 """
@@ -15,6 +16,7 @@ import re
 
 from trainer.api.tinker.bridge import TinkerBridge
 from trainer.api.tinker.records import TinkerCheckpoint
+from trainer.checkpoint.export import ENCRYPTED_EXPORT, stored_encrypted
 from trainer.checkpoint.store import INFERENCE, TRAINING, CheckpointRecord
 from trainer.serving.errors import ApiError, bad_request, not_found
 
@@ -68,6 +70,15 @@ def resolve(bridge: TinkerBridge, path: str, field: str) -> CheckpointRecord:
         raise not_found("checkpoint", path, field)
     if record.type != ENGINE_TYPES[kind]:
         raise ApiError(400, f"{field}: {path!r} names a checkpoint of another kind", param=field)
+    return record
+
+
+def loadable(bridge: TinkerBridge, path: str, field: str) -> CheckpointRecord:
+    """`resolve`, for a checkpoint the worker will read back: an encrypted export (its files
+    age-encrypted to the user's recipients) is a 400 naming `field`."""
+    record = resolve(bridge, path, field)
+    if stored_encrypted(bridge.worker.checkpoints, record.id):
+        raise bad_request(f"{field}: {path} {ENCRYPTED_EXPORT}", field)
     return record
 
 

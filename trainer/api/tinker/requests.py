@@ -8,10 +8,11 @@ engine's own bodies.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
+from trainer.checkpoint.export import MAX_RECIPIENTS, recipient
 from trainer.contract.specs import Spec
 
 NAME_MAX = 256
@@ -134,18 +135,33 @@ class WeightsInfo(Spec):
     tinker_path: str = Field(min_length=1, max_length=4096)
 
 
+class CheckpointTtl(Spec):
+    ttl_seconds: int | None = Field(default=None, ge=1)  # None: the checkpoint never expires
+
+
+def _age_recipient(text: str) -> str:
+    recipient(text)  # ValueError: not one (the message never repeats the text)
+    return text
+
+
+AgeRecipient = Annotated[str, Field(max_length=16384), AfterValidator(_age_recipient)]
+
+
 class SaveWeightsExternal(Spec):
     model_id: str = Field(min_length=1, max_length=NAME_MAX)
     path: str = Field(min_length=1, max_length=NAME_MAX)
     seq_id: int | None = None
     ttl_seconds: int | None = Field(default=None, ge=1)
-    age_encryption_recipients: list[str] | None = None
+    age_encryption_recipients: list[AgeRecipient] | None = Field(
+        default=None, max_length=MAX_RECIPIENTS
+    )
 
-    @model_validator(mode="after")
-    def _plain(self) -> SaveWeightsExternal:
-        if self.age_encryption_recipients:
+    @field_validator("age_encryption_recipients")
+    @classmethod
+    def _some(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not value:
             raise ValueError(
-                "age_encryption_recipients: encrypted exports are not served; the files stay "
-                "on this worker and download through signed URLs"
+                "an empty list encrypts to no one: omit the field for plain files, or name "
+                "at least one recipient"
             )
-        return self
+        return value

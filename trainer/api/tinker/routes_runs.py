@@ -18,7 +18,9 @@ from trainer.api.http import FILE_PATH, base_url
 from trainer.api.tinker import paths
 from trainer.api.tinker.bridge import TinkerBridge
 from trainer.api.tinker.records import TinkerCheckpoint, TinkerModel, TinkerSampler, TinkerSession
-from trainer.api.tinker.routes import bridge_of
+from trainer.api.tinker.requests import CheckpointTtl
+from trainer.api.tinker.routes import bridge_of, parse
+from trainer.checkpoint.export import stored_encrypted
 from trainer.checkpoint.store import INFERENCE, CheckpointCorrupt, CheckpointRecord
 from trainer.serving.catalogue import SessionRow
 from trainer.serving.errors import ApiError, bad_request, not_found
@@ -184,8 +186,9 @@ def _record(bridge: TinkerBridge, run_id: str, checkpoint_id: str) -> Checkpoint
 async def external_weights_urls(
     request: Request, run_id: str, checkpoint_id: str
 ) -> dict[str, Any]:
-    """Signed URLs of an external (or sampler) checkpoint's PEFT adapter files
-    (adapter_config.json and adapter_model.safetensors), valid for the signer's TTL."""
+    """Signed URLs of an external (or sampler) checkpoint's adapter files, valid for the
+    signer's TTL: adapter_config.json and adapter_model.safetensors (an external export's in
+    Tinker's naming, `.age` when encrypted; a sampler checkpoint's in PEFT's)."""
     bridge = bridge_of(request)
     record = await run_in_threadpool(_record, bridge, run_id, checkpoint_id)
     if record.type != INFERENCE:
@@ -214,10 +217,29 @@ async def external_weights_urls(
     return {"urls": urls, "expires": iso(time.time() + signer.ttl_s)}
 
 
+@router.put("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl")
+async def set_checkpoint_ttl(request: Request, run_id: str, checkpoint_id: str) -> dict[str, Any]:
+    """A Tinker checkpoint's expiry, from now (`ttl_seconds`; null: none): recorded and listed
+    as `expires_at`, as a save's `ttl_seconds` is (nothing is deleted when it passes)."""
+    body: CheckpointTtl = await parse(request, CheckpointTtl)
+    bridge = bridge_of(request)
+    record = await run_in_threadpool(_record, bridge, run_id, checkpoint_id)
+    path = f"{paths.PREFIX}{run_id}/{checkpoint_id}"
+    if bridge.db.get(TinkerCheckpoint, path) is None:
+        raise bad_request(
+            f"checkpoint_id: {record.id} was saved through the RL session API; it has no TTL",
+            "checkpoint_id",
+        )
+    expires = None if body.ttl_seconds is None else time.time() + body.ttl_seconds
+    await run_in_threadpool(bridge.db.update, TinkerCheckpoint, path, expires_at=expires)
+    return {}
+
+
 @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
 async def delete_checkpoint(request: Request, run_id: str, checkpoint_id: str) -> dict[str, Any]:
     """The Tinker name is forgotten; the checkpoint itself stays in the catalogue (the RL
-    session API may still resume from it; nothing stored is deleted through this face)."""
+    session API may still resume from it), except an encrypted export: nothing on the worker
+    can read it, so its files go too."""
     bridge = bridge_of(request)
     record = await run_in_threadpool(_record, bridge, run_id, checkpoint_id)
     path = f"{paths.PREFIX}{run_id}/{checkpoint_id}"
@@ -226,7 +248,15 @@ async def delete_checkpoint(request: Request, run_id: str, checkpoint_id: str) -
             f"checkpoint_id: {record.id} was saved through the RL session API; it stays",
             "checkpoint_id",
         )
-    bridge.db.delete(TinkerCheckpoint, path)
+    store = bridge.worker.checkpoints
+
+    def forget() -> None:
+        encrypted = stored_encrypted(store, record.id)
+        bridge.db.delete(TinkerCheckpoint, path)
+        if encrypted and not bridge.db.select(TinkerCheckpoint, "checkpoint_id = ?", (record.id,)):
+            store.delete(record.id)
+
+    await run_in_threadpool(forget)
     return {}
 
 

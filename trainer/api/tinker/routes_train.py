@@ -39,6 +39,7 @@ from trainer.api.tinker.routes import (
     seq_id_of,
 )
 from trainer.api.tinker.sampling import SamplerSessions, new_sampler, samplers_of
+from trainer.checkpoint.export import AdapterExport
 from trainer.serving.errors import ApiError, bad_request, not_found
 from trainer.serving.operations import vocab_size_of
 
@@ -158,8 +159,10 @@ def _save(
     ttl_seconds: int | None,
     user_metadata: dict[str, str] | None,
     overwrite: bool,
+    export: AdapterExport | None = None,
 ) -> str:
-    """Write the checkpoint (training or inference) and record its tinker path."""
+    """Write the checkpoint (training, inference, or with `export` an adapter export) and
+    record its tinker path."""
     path = paths.make(model.id, kind, name)
     existing = bridge.db.get(TinkerCheckpoint, path)
     if existing is not None and not overwrite:
@@ -167,7 +170,8 @@ def _save(
     op = (
         "training-checkpoint" if kind == "training" else "inference-checkpoint"
     )  # sampler, external
-    call = bridge.prepare(bridge.current_session(model.id), op, {})
+    extra = None if export is None else {"export": export}
+    call = bridge.prepare(bridge.current_session(model.id), op, {}, extra)
     output = bridge.run(model, op, call, future_id)
     checkpoint_id = str((output.get("checkpoint") or {}).get("id") or "")
     if not checkpoint_id:
@@ -261,16 +265,20 @@ def _publish_for_samplers(
 
 @router.post("/save_weights_external")
 async def save_weights_external(request: Request) -> dict[str, Any]:
-    """The model's weights as a PEFT adapter (an inference checkpoint) under
-    `external_weights/<name>`, downloadable through `external_weights_urls`."""
+    """The model's LoRA adapter alone, in Tinker's naming (`checkpoint/export.py`), under
+    `external_weights/<name>`, downloadable through `external_weights_urls`; with
+    `age_encryption_recipients`, every file encrypted to them as `<name>.age`."""
     body: SaveWeightsExternal = await parse(request, SaveWeightsExternal)
     bridge = bridge_of(request)
     model = live_model(bridge, body.model_id)
     name = paths.check_name(body.path, "path")
     key = request_key(request, model.id, "SaveWeightsExternal", body.seq_id, body)
+    export = AdapterExport("tinker", tuple(body.age_encryption_recipients or ()))
 
     def work(request_id: str) -> dict[str, Any]:
-        path = _save(bridge, model, "external", name, request_id, body.ttl_seconds, None, True)
+        path = _save(
+            bridge, model, "external", name, request_id, body.ttl_seconds, None, True, export
+        )
         record = paths.resolve(bridge, path, "path")
         files = bridge.worker.checkpoints.variant_files(record.id, "ADAPTER")
         size = sum(f.size for f in files)
@@ -283,7 +291,7 @@ async def save_weights_external(request: Request) -> dict[str, Any]:
 async def load_weights(request: Request) -> dict[str, Any]:
     body: LoadWeights = await parse(request, LoadWeights)
     bridge = bridge_of(request)
-    record = await run_in_threadpool(paths.resolve, bridge, body.path, "path")
+    record = await run_in_threadpool(paths.loadable, bridge, body.path, "path")
     if record.lora_rank is None:
         raise bad_request(
             f"path: {body.path} is a full-weight checkpoint; Tinker models are LoRA", "path"

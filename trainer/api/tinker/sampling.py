@@ -198,7 +198,7 @@ def new_sampler(
     `keep=False` only checks and builds it."""
     checkpoint_id = None
     if model_path:
-        record = paths.resolve(bridge, model_path, "model_path")
+        record = paths.loadable(bridge, model_path, "model_path")
         if record.lora_rank is None:
             raise bad_request(f"model_path: {model_path} is a full-weight checkpoint", "model_path")
         checkpoint_id, base = record.id, record.base_model
