@@ -64,9 +64,13 @@ class Operation:
     # the resource's optimizer_config, as a 400 (params of the other optimizer)
     check_optimizer: Callable[[Any, dict[str, Any]], None] | None = None
 
-    def call(self, body: BaseModel) -> Callable[[Any], dict[str, Any]]:
-        """What the worker queues: the engine session in, the operation's wire JSON out."""
-        args = self.args(body)
+    def call(
+        self, body: BaseModel, extra: dict[str, Any] | None = None
+    ) -> Callable[[Any], dict[str, Any]]:
+        """What the worker queues: the engine session in, the operation's wire JSON out.
+        `extra`: engine arguments a face adds that the body does not carry (the Tinker face's
+        `prompt_logprobs_last_n`)."""
+        args = {**self.args(body), **(extra or {})}
         return lambda session: self.wire(lambda: getattr(session, self.method)(**args))
 
 
@@ -153,9 +157,10 @@ def validated_call(
     entry: ModelEntry,
     optimizer_config: dict[str, Any] | None = None,
     vocab_size: int | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> EngineCall:
     """A body checked against its model (and vocabulary, where known) and type, turned into
-    the call the worker queues."""
+    the call the worker queues (with `extra` engine arguments: `Operation.call`)."""
     try:
         parsed = spec.body.model_validate(body)
     except ValidationError as exc:
@@ -164,7 +169,7 @@ def validated_call(
         spec.check(parsed, entry, vocab_size)
     if spec.check_optimizer is not None:
         spec.check_optimizer(parsed, optimizer_config or {"adam": {}})
-    return spec.call(parsed)
+    return spec.call(parsed, extra)
 
 
 def prepare_call(
