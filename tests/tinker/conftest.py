@@ -10,6 +10,10 @@ the tokenizer's, so every sampled id decodes.
   `\\boxed{1}` and its groups get non-zero advantages.
 - `Qwen/Qwen3-8B` (renderer `qwen3`), weights scaled 8x: logprobs far from uniform, for the SDK
   checks that compare numbers.
+- `Qwen/Qwen3.5-9B` (renderer `qwen3_5_disable_thinking`), weights scaled 8x under another seed,
+  4096 positions: the second base model the cookbook's recipes sample beside the one they train
+  (their default distillation teacher and twenty-questions answerer, the rubric grader, whose
+  `max_tokens` is 2048).
 
 The SDK (tinker 0.38, which `together` cannot share an environment with) runs in the venv of
 `tests/tinker/venv.py`, as a subprocess: `run_in_venv` runs a script there with
@@ -39,6 +43,7 @@ REPO = HERE.parent.parent
 
 COOKBOOK_MODEL = "Qwen/Qwen3-4B-Instruct-2507"
 SDK_MODEL = "Qwen/Qwen3-8B"
+SECOND_MODEL = "Qwen/Qwen3.5-9B"
 
 SPECIAL = ["<|endoftext|>", "<|im_end|>", "<|im_start|>", "<think>", "</think>", "[UNK]"]
 BOXED = ["\\boxed{0}", "\\boxed{1}"]
@@ -71,10 +76,21 @@ def build_tokenizer(out_dir: Path) -> Path:
     return out_dir
 
 
-def build_served_model(out_dir: Path, scale: float, seed: int, tokenizer_dir: Path) -> Path:
+def build_served_model(
+    out_dir: Path, scale: float, seed: int, tokenizer_dir: Path, positions: int = 512
+) -> Path:
     """A tiny Qwen3 with the tokenizer's vocabulary; the tokenizer saved to `tokenizer_dir`
     (the model's own directory, or another one that the catalogue entry names)."""
-    spec = TinySpec(arch="qwen3", vocab=len(VOCAB), tied=True, bos=None, eos=1, pad=0, scale=scale)
+    spec = TinySpec(
+        arch="qwen3",
+        vocab=len(VOCAB),
+        tied=True,
+        bos=None,
+        eos=1,
+        pad=0,
+        scale=scale,
+        max_positions=positions,
+    )
     save_model(spec, out_dir, seed)
     build_tokenizer(tokenizer_dir)
     return out_dir
@@ -88,10 +104,11 @@ def venv_python() -> Path:
 @pytest.fixture(scope="session")
 def served_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tinker-models")
-    cookbook, sdk = root / "cookbook", root / "sdk"
+    cookbook, sdk, second = root / "cookbook", root / "sdk", root / "second"
     return {
         COOKBOOK_MODEL: build_served_model(cookbook, scale=1.0, seed=3, tokenizer_dir=cookbook),
         SDK_MODEL: build_served_model(sdk, scale=8.0, seed=0, tokenizer_dir=root / "tokenizer"),
+        SECOND_MODEL: build_served_model(second, 8.0, seed=5, tokenizer_dir=second, positions=4096),
     }
 
 
