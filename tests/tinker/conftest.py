@@ -12,6 +12,10 @@ the tokenizer's, so every sampled id decodes.
   checks that compare numbers.
 - `meta-llama/Llama-3.1-8B`, a tiny Llama with an untied head (`UNTIED_MODEL`; the two Qwen3s
   tie theirs, as Qwen3 up to 4B does), weights scaled 8x: the weight-export checks on both.
+- `Qwen/Qwen3.5-9B` (renderer `qwen3_5_disable_thinking`), weights scaled 8x under another seed,
+  4096 positions: the second base model the cookbook's recipes sample beside the one they train
+  (their default distillation teacher and twenty-questions answerer, the rubric grader, whose
+  `max_tokens` is 2048).
 
 The SDK (tinker 0.38, which `together` cannot share an environment with) runs in the venv of
 `tests/tinker/venv.py`, as a subprocess: `run_in_venv` runs a script there with
@@ -42,6 +46,7 @@ REPO = HERE.parent.parent
 COOKBOOK_MODEL = "Qwen/Qwen3-4B-Instruct-2507"
 SDK_MODEL = "Qwen/Qwen3-8B"
 UNTIED_MODEL = "meta-llama/Llama-3.1-8B"
+SECOND_MODEL = "Qwen/Qwen3.5-9B"
 
 SPECIAL = ["<|endoftext|>", "<|im_end|>", "<|im_start|>", "<think>", "</think>", "[UNK]"]
 BOXED = ["\\boxed{0}", "\\boxed{1}"]
@@ -75,7 +80,12 @@ def build_tokenizer(out_dir: Path) -> Path:
 
 
 def build_served_model(
-    out_dir: Path, scale: float, seed: int, tokenizer_dir: Path, arch: str = "qwen3"
+    out_dir: Path,
+    scale: float,
+    seed: int,
+    tokenizer_dir: Path,
+    arch: str = "qwen3",
+    positions: int = 512,
 ) -> Path:
     """A tiny Qwen3 (tied head) or Llama (untied) with the tokenizer's vocabulary; the
     tokenizer saved to `tokenizer_dir` (the model's own directory, or another one that the
@@ -88,6 +98,7 @@ def build_served_model(
         eos=1,
         pad=0,
         scale=scale,
+        max_positions=positions,
     )
     save_model(spec, out_dir, seed)
     build_tokenizer(tokenizer_dir)
@@ -103,10 +114,12 @@ def venv_python() -> Path:
 def served_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tinker-models")
     cookbook, sdk, untied = root / "cookbook", root / "sdk", root / "untied"
+    second = root / "second"
     return {
         COOKBOOK_MODEL: build_served_model(cookbook, scale=1.0, seed=3, tokenizer_dir=cookbook),
         SDK_MODEL: build_served_model(sdk, scale=8.0, seed=0, tokenizer_dir=root / "tokenizer"),
         UNTIED_MODEL: build_served_model(untied, 8.0, 1, tokenizer_dir=untied, arch="llama"),
+        SECOND_MODEL: build_served_model(second, 8.0, seed=5, tokenizer_dir=second, positions=4096),
     }
 
 

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.engine.helpers import grads_of, make_resource, random_batch
+from tests.engine.helpers import grads_of, make_resource, model_input, random_batch
 from tests.tinker.venv import tinker_python
 from trainer.api.tinker.convert import (
+    SAMPLE_EXTRA,
     TinkerInputError,
     forward_backward_body,
     forward_backward_output,
@@ -23,6 +24,7 @@ from trainer.api.tinker.convert import (
     sample_body,
     sample_output,
 )
+from trainer.contract.errors import InputError
 from trainer.contract.specs import LoraConfig, LossConfig, SessionSpec
 from trainer.serving.operations import OPERATIONS
 from trainer.serving.requests import ForwardBackwardBody, OptimStepBody, SampleBody
@@ -567,3 +569,80 @@ def test_sample_with_token_id_stop(tiny_qwen_dir, tmp_path) -> None:
     torch.testing.assert_close(
         torch.tensor(free["prompt_logprobs"][1:]), expected, atol=1e-5, rtol=0
     )
+
+
+def test_prompt_logprobs_last_n_is_checked_at_the_door() -> None:
+    """N in [1, len(prompt) - 1], an integer, with prompt logprobs: each refusal names the
+    field; a good N stays in the body for the engine (`SAMPLE_EXTRA`)."""
+    req = {
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7, 8]}]},
+        "sampling_params": {"max_tokens": 1},
+        "prompt_logprobs": True,
+        "topk_prompt_logprobs": 2,
+    }
+    assert SAMPLE_EXTRA not in sample_body(req)
+    assert sample_body({**req, "prompt_logprobs_last_n": None}) == sample_body(req)
+    for n in (1, 3):
+        assert sample_body({**req, "prompt_logprobs_last_n": n})[SAMPLE_EXTRA] == n
+    for change in (
+        {"prompt_logprobs_last_n": 0},
+        {"prompt_logprobs_last_n": -2},
+        {"prompt_logprobs_last_n": 4},  # len(prompt): the first token has no context
+        {"prompt_logprobs_last_n": 2.5},
+        {"prompt_logprobs_last_n": "2"},
+        {"prompt_logprobs_last_n": True},
+        {"prompt_logprobs_last_n": 2, "prompt_logprobs": False},
+        {"prompt_logprobs_last_n": 2, "prompt_logprobs": None},
+    ):
+        with pytest.raises(TinkerInputError) as info:
+            sample_body({**req, **change})
+        assert info.value.field == SAMPLE_EXTRA, (change, info.value)
+    one = {**req, "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5]}]}}
+    with pytest.raises(TinkerInputError, match="no token to score") as info:
+        sample_body({**one, "prompt_logprobs_last_n": 1})
+    assert info.value.field == SAMPLE_EXTRA
+
+
+def test_prompt_logprobs_last_n_scores_the_suffix(tiny_qwen_dir, tmp_path) -> None:
+    """`prompt_logprobs_last_n=N`: the last N entries of `prompt_logprobs` and of
+    `topk_prompt_logprobs` are the full prompt's (and a plain model's), the earlier ones
+    None; the engine refuses an N out of range itself, naming the field."""
+    resource = make_resource(tiny_qwen_dir, tmp_path)
+    session = resource.create_session("a", SessionSpec())
+    sample_op = OPERATIONS["sample"]
+    prompt = [5, 9, 6, 7, 11, 3, 8, 2]
+    req = {
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]},
+        "sampling_params": {"max_tokens": 1, "seed": 0},
+        "prompt_logprobs": True,
+        "topk_prompt_logprobs": 3,
+    }
+
+    def run(**change: Any) -> dict[str, Any]:
+        body = sample_body({**req, **change})
+        extra = {SAMPLE_EXTRA: body[SAMPLE_EXTRA]} if SAMPLE_EXTRA in body else None
+        return sample_output(sample_op.call(SampleBody.model_validate(body), extra)(session))
+
+    full = run()
+    model = _plain_model(tiny_qwen_dir)
+    with torch.no_grad():
+        expected = _naive_logprobs(model, prompt[:-1], prompt[1:])
+    torch.testing.assert_close(
+        torch.tensor(full["prompt_logprobs"][1:]), expected, atol=1e-5, rtol=0
+    )
+    for n in (1, 3, len(prompt) - 1):
+        got = run(prompt_logprobs_last_n=n)
+        lps, top = got["prompt_logprobs"], got["topk_prompt_logprobs"]
+        assert len(lps) == len(top) == len(prompt)
+        cut = len(prompt) - n
+        assert lps[:cut] == [None] * cut and top[:cut] == [None] * cut, (n, lps, top)
+        # the head runs on the suffix alone: the same rows of the same matmul, up to rounding
+        np.testing.assert_allclose(lps[cut:], full["prompt_logprobs"][cut:], atol=1e-6, rtol=0)
+        for row, ref in zip(top[cut:], full["topk_prompt_logprobs"][cut:], strict=True):
+            assert [t for t, _ in row] == [t for t, _ in ref]
+            np.testing.assert_allclose([v for _, v in row], [v for _, v in ref], atol=1e-6)
+    inputs = [model_input(prompt)]
+    for n, kwargs in ((len(prompt), {}), (0, {}), (2, {"prompt_logprobs": False})):
+        with pytest.raises(InputError) as info:
+            session.sample(inputs, prompt_logprobs_last_n=n, **{"prompt_logprobs": True, **kwargs})
+        assert info.value.field == SAMPLE_EXTRA

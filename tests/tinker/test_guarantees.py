@@ -234,6 +234,11 @@ BREAKS: dict[str, list[tuple[str, Any, str]]] = {
         ("sampling_params", {"temperature": "hot"}, "sampling_params.temperature"),
         ("base_model", "no-such-model", "base_model"),
         ("topk_prompt_logprobs", 10**6, "topk_prompt_logprobs"),
+        # the valid body asks for no prompt logprobs, which N needs; and its prompt has 2
+        # tokens, so no N but 1 is in range
+        ("prompt_logprobs_last_n", 1, "prompt_logprobs_last_n"),
+        ("prompt_logprobs_last_n", "1", "prompt_logprobs_last_n"),
+        ("prompt_logprobs_last_n", True, "prompt_logprobs_last_n"),
     ],
 }
 # POST routes that read no body (or refuse every request)
@@ -341,6 +346,12 @@ def test_limits_are_4xx_naming_the_tinker_field(
         "base_model": th.BASE,
         "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1]}]},
     }
+    last_n = {
+        **sample,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+        "sampling_params": {"max_tokens": 1},
+        "prompt_logprobs": True,
+    }
     cases = [
         ("/forward_backward", with_data(model, *[th.TOKENS] * 5), "forward_backward_input.data"),
         (
@@ -370,6 +381,14 @@ def test_limits_are_4xx_naming_the_tinker_field(
         ),
         ("/asample", {**sample, "prompt": prompt, "sampling_params": {"max_tokens": 4}}, "prompt"),
         ("/asample", {**sample, "num_samples": 10**4, "sampling_params": {}}, "num_samples"),
+        *(
+            (
+                "/asample",
+                {**last_n, "prompt_logprobs_last_n": n},
+                "prompt_logprobs_last_n",
+            )
+            for n in (0, -1, 3, 2**40)  # N in [1, len(prompt) - 1] = [1, 2]
+        ),
     ]
     before, records = th.fingerprint(live, model), th.records(live)
     for route, body, field in cases:

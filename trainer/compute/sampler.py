@@ -383,19 +383,34 @@ def _step(
 
 @torch.no_grad()
 def prompt_logprobs(
-    model: nn.Module, prompt: list[int], topk: int, forward: Forward | None = None
-) -> tuple[list[float], list[dict[str, list]]]:
+    model: nn.Module,
+    prompt: list[int],
+    topk: int,
+    forward: Forward | None = None,
+    last_n: int | None = None,
+) -> tuple[list[float | None], list[dict[str, list]]]:
     """Teacher-forced logprobs of each prompt token (entry 0 is a 0.0 placeholder), and the
-    top-k alternatives per position (entry 0 empty)."""
+    top-k alternatives per position (entry 0 empty).
+
+    `last_n` (1 <= N <= len(prompt) - 1, checked by the caller) scores only the last N tokens:
+    the head and its log-softmax run on the N + 1 last positions alone (`logits_to_keep`), and
+    the entries before are None (their top-k rows empty)."""
     device = next(model.parameters()).device
     ids = torch.tensor([prompt], dtype=torch.long, device=device)
     call = model if forward is None else forward
-    logprobs_L_V = torch.log_softmax(call(input_ids=ids).logits[0].float(), dim=-1)
-    targets = ids[0, 1:]
-    chosen = logprobs_L_V[:-1].gather(-1, targets[:, None]).squeeze(-1).tolist()
+    scored = len(prompt) - 1 if last_n is None else last_n
+    kwargs: dict[str, Any] = {} if last_n is None else {"logits_to_keep": last_n + 1}
+    # the positions whose logits predict the scored tokens (a model that ignores
+    # `logits_to_keep` returns them all: the slice keeps the same ones)
+    logits_N_V = call(input_ids=ids, **kwargs).logits[0, -(scored + 1) : -1]
+    logprobs_N_V = torch.log_softmax(logits_N_V.float(), dim=-1)
+    targets = ids[0, len(prompt) - scored :]
+    chosen = logprobs_N_V.gather(-1, targets[:, None]).squeeze(-1).tolist()
+    skipped = len(prompt) - 1 - scored
     top: list[dict[str, list]] = [{"token_ids": [], "logprobs": []}]
     if topk > 0:
-        values, indices = torch.topk(logprobs_L_V[:-1], topk, dim=-1)
+        top.extend({"token_ids": [], "logprobs": []} for _ in range(skipped))
+        values, indices = torch.topk(logprobs_N_V, topk, dim=-1)
         for v, i in zip(values.tolist(), indices.tolist(), strict=True):
             top.append({"token_ids": i, "logprobs": v})
-    return [0.0, *chosen], top
+    return [0.0, *([None] * skipped), *chosen], top

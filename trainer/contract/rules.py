@@ -338,6 +338,28 @@ def check_topk(topk: int, field: str = "topk_prompt_logprobs") -> None:
         raise InputError(field, f"must be in [0, {MAX_TOPK_PROMPT_LOGPROBS}]")
 
 
+def check_last_n(
+    last_n: int | None,
+    prompt_lengths: Sequence[int],
+    prompt_logprobs: bool,
+    field: str = "prompt_logprobs_last_n",
+) -> None:
+    """`prompt_logprobs_last_n` (the Tinker face's: score only the last N prompt tokens):
+    None, or an N in [1, len(prompt) - 1] for every prompt, with prompt logprobs asked for."""
+    if last_n is None:
+        return
+    if not prompt_logprobs:
+        raise InputError(field, "applies to prompt logprobs; set prompt_logprobs to true")
+    shortest = min(prompt_lengths, default=0)
+    if not 1 <= last_n <= shortest - 1:
+        raise InputError(
+            field,
+            f"must be between 1 and len(prompt) - 1 = {shortest - 1}, got {last_n}"
+            if shortest >= 2
+            else f"a prompt of {shortest} token(s) has no token to score (got {last_n})",
+        )
+
+
 def _check_sequences(prompts: int, num_samples: int, limits: Limits) -> None:
     if prompts * num_samples > limits.max_batch_size:
         field = "num_samples" if num_samples > 1 else "model_inputs"

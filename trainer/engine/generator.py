@@ -15,7 +15,7 @@ import torch
 
 from trainer.compute.sampler import DecodeJob, Sequence, StopCheck, draw_seed
 from trainer.contract.errors import invalid
-from trainer.contract.rules import Limits, check_prompts
+from trainer.contract.rules import Limits, check_last_n, check_prompts
 from trainer.contract.specs import ModelInput, SamplingParams
 from trainer.engine.moe_replay_keys import issue_keys
 
@@ -58,7 +58,8 @@ class Versions:
 
 @dataclass
 class SampleCall:
-    """One validated sample call. `steps_per_turn`: its session's `decode_steps_per_turn`."""
+    """One validated sample call. `steps_per_turn`: its session's `decode_steps_per_turn`;
+    `prompt_logprobs_last_n`: score only each prompt's last N tokens (None: all of them)."""
 
     prompts: list[list[int]]
     num_samples: int
@@ -69,6 +70,7 @@ class SampleCall:
     topk_prompt_logprobs: int
     return_routed_experts: bool = False
     steps_per_turn: int = 0
+    prompt_logprobs_last_n: int | None = None
 
     @property
     def rows(self) -> int:
@@ -88,7 +90,7 @@ class SampleCall:
         )
 
 
-PromptLogprobs = tuple[list[float], list[dict[str, list]]]
+PromptLogprobs = tuple[list[float | None], list[dict[str, list]]]
 """A prompt's token logprobs and top-k alternatives (`sampler.prompt_logprobs`)."""
 
 
@@ -161,10 +163,12 @@ class Generator(abc.ABC):
         topk_prompt_logprobs: int,
         return_routed_experts: bool,
         steps_per_turn: int,
+        prompt_logprobs_last_n: int | None = None,
     ) -> SampleCall:
         """A sample call, validated (INVALID_INPUT naming the field) before any state moves."""
         self.require()
         prompts = self._check_prompts(model_inputs, num_samples, params, topk_prompt_logprobs)
+        check_last_n(prompt_logprobs_last_n, [len(p) for p in prompts], prompt_logprobs)
         return SampleCall(
             prompts=prompts,
             num_samples=num_samples,
@@ -175,6 +179,7 @@ class Generator(abc.ABC):
             topk_prompt_logprobs=topk_prompt_logprobs,
             return_routed_experts=return_routed_experts,
             steps_per_turn=steps_per_turn,
+            prompt_logprobs_last_n=prompt_logprobs_last_n,
         )
 
     def require(self) -> None:

@@ -82,8 +82,9 @@ class InProcessGenerator(Generator):
         for prompt, group in zip(call.prompts, groups, strict=True):
             got = PromptSamples(group)
             if call.prompt_logprobs or call.topk_prompt_logprobs:
-                topk = call.topk_prompt_logprobs
-                got.prompt_logprobs = sampler.prompt_logprobs(model, prompt, topk, forward)
+                got.prompt_logprobs = sampler.prompt_logprobs(
+                    model, prompt, call.topk_prompt_logprobs, forward, call.prompt_logprobs_last_n
+                )
             samples.append(got)
         return samples
 

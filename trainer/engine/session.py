@@ -318,7 +318,9 @@ class TrainingSession:
         prompt_logprobs: bool = False,
         topk_prompt_logprobs: int = 0,
         return_routed_experts: bool = False,
+        prompt_logprobs_last_n: int | None = None,
     ) -> dict[str, Any]:
+        """`prompt_logprobs_last_n`: the Tinker face's; the RL session API never sends it."""
         call = self.generator.sample_call(
             model_inputs,
             num_samples,
@@ -327,6 +329,7 @@ class TrainingSession:
             topk_prompt_logprobs=topk_prompt_logprobs,
             return_routed_experts=return_routed_experts,
             steps_per_turn=self.options.decode_steps_per_turn,
+            prompt_logprobs_last_n=prompt_logprobs_last_n,
         )
         return self.generator.sample(self, call)
 

@@ -69,8 +69,8 @@ class Operation:
         self, body: BaseModel, extra: dict[str, Any] | None = None
     ) -> Callable[[Any], dict[str, Any]]:
         """What the worker queues: the engine session in, the operation's wire JSON out.
-        `extra`: keyword arguments of the engine method that no request body carries (the
-        Tinker face's adapter export)."""
+        `extra`: engine arguments a face adds that the body does not carry (the Tinker face's
+        adapter export, its `prompt_logprobs_last_n`)."""
         args = {**self.args(body), **(extra or {})}
         return lambda session: self.wire(lambda: getattr(session, self.method)(**args))
 

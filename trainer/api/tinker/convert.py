@@ -25,10 +25,17 @@ from trainer.api.tinker.stability import Provenance, parse_spans
 from trainer.contract.base import Spec
 from trainer.contract.losses import LOSS_SPECS, TOKEN_INPUTS
 from trainer.contract.optimizer import AdamParams
-from trainer.contract.rules import Needs, check_inputs, check_num_samples, check_topk
+from trainer.contract.rules import (
+    Needs,
+    check_inputs,
+    check_last_n,
+    check_num_samples,
+    check_topk,
+)
 from trainer.contract.specs import SamplingParams
 
 __all__ = [
+    "SAMPLE_EXTRA",
     "TinkerInputError",
     "forward_backward_body",
     "forward_backward_output",
@@ -394,9 +401,9 @@ _SAMPLE_OFF = {
     "topk_sample_logprobs": 0,
     "target_prompt_logprobs": None,
     "prompt_alt_tokens_k": 0,
-    "prompt_logprobs_last_n": None,
 }
 _SAMPLING_KEYS = ("max_tokens", "seed", "temperature", "top_k", "top_p")
+SAMPLE_EXTRA = "prompt_logprobs_last_n"  # a sample body key the engine takes as an argument
 
 
 def sample_body(req: dict[str, Any], vocab_size: int | None = None) -> dict[str, Any]:
@@ -405,8 +412,13 @@ def sample_body(req: dict[str, Any], vocab_size: int | None = None) -> dict[str,
 
     `stop`: a string or strings stop on text, token ids on those tokens
     (`stop_token_ids`); None keeps the EOS stop. `[]` (no EOS stop) is refused, as are the
-    features we do not serve (top-k of sampled tokens, target / alternative prompt tokens,
-    `prompt_logprobs_last_n`), each naming its field."""
+    features we do not serve (top-k of sampled tokens, target / alternative prompt tokens),
+    each naming its field. `record_stability_info` is the route's business
+    (`trainer.api.tinker.stability`).
+
+    `prompt_logprobs_last_n` (N in [1, len(prompt) - 1], with `prompt_logprobs`) stays in
+    the body under its name, for `SAMPLE_EXTRA` to hand the engine: the RL session API's
+    sample body has no such field."""
     if not isinstance(req, Mapping):
         raise TinkerInputError("prompt", "the request must be an object")
     known = {
@@ -416,6 +428,7 @@ def sample_body(req: dict[str, Any], vocab_size: int | None = None) -> dict[str,
         "prompt_logprobs",
         "topk_prompt_logprobs",
         "record_stability_info",  # the route's business (`stability`)
+        "prompt_logprobs_last_n",
     }
     for key in req:
         if key not in known and key not in _SAMPLE_ROUTING and key not in _SAMPLE_OFF:
@@ -430,13 +443,20 @@ def sample_body(req: dict[str, Any], vocab_size: int | None = None) -> dict[str,
     topk = integer(_given(req, "topk_prompt_logprobs", 0), "topk_prompt_logprobs")
     with as_tinker():
         check_topk(topk)
-    return {
+    prompt_logprobs = flag(_given(req, "prompt_logprobs", False), "prompt_logprobs")
+    body: dict[str, Any] = {
         "model_inputs": [{"chunks": [{"encoded_text": {"tokens": tokens}}]}],
         "num_samples": num_samples,
         "sampling_params": _sampling_params(req.get("sampling_params")),
-        "prompt_logprobs": flag(_given(req, "prompt_logprobs", False), "prompt_logprobs"),
+        "prompt_logprobs": prompt_logprobs,
         "topk_prompt_logprobs": topk,
     }
+    if req.get("prompt_logprobs_last_n") is not None:
+        last_n = integer(req["prompt_logprobs_last_n"], SAMPLE_EXTRA)
+        with as_tinker():
+            check_last_n(last_n, [len(tokens)], prompt_logprobs, SAMPLE_EXTRA)
+        body[SAMPLE_EXTRA] = last_n
+    return body
 
 
 def _given(req: Mapping[str, Any], key: str, default: Any) -> Any:
@@ -507,15 +527,15 @@ def sample_output(result: dict[str, Any]) -> dict[str, Any]:
         "sequences": sequences,
         "prompt_logprobs": None
         if prompt_logprobs is None
-        else [None, *(float(v) for v in prompt_logprobs[1:])],
-        "topk_prompt_logprobs": None
-        if topk is None
-        else [
-            None,
-            *(
-                [(int(t), float(v)) for t, v in zip(row["token_ids"], row["logprobs"], strict=True)]
-                for row in topk[1:]
-            ),
-        ],
+        else [None, *(None if v is None else float(v) for v in prompt_logprobs[1:])],
+        "topk_prompt_logprobs": None if topk is None else [None, *map(_topk_row, topk[1:])],
         "prompt_cache_hit_tokens": 0,
     }
+
+
+def _topk_row(row: dict[str, Any]) -> list[tuple[int, float]] | None:
+    """One position's top-k as (token id, logprob) pairs; None where it was not scored
+    (`prompt_logprobs_last_n`), which the engine answers with an empty row."""
+    if not row["token_ids"]:
+        return None
+    return [(int(t), float(v)) for t, v in zip(row["token_ids"], row["logprobs"], strict=True)]

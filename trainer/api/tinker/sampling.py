@@ -242,9 +242,13 @@ async def get_sampler(request: Request, sampler_id: str) -> dict[str, Any]:
 
 
 def _prepare_sample(bridge: TinkerBridge, base_model: str, body: dict[str, Any]) -> EngineCall:
+    extra = (
+        {convert.SAMPLE_EXTRA: body[convert.SAMPLE_EXTRA]} if convert.SAMPLE_EXTRA in body else None
+    )
     try:
         vocab = vocab_size_of(bridge.worker, base_model)
-        return validated_call(OPERATIONS["sample"], body, bridge.entry(base_model), None, vocab)
+        entry = bridge.entry(base_model)
+        return validated_call(OPERATIONS["sample"], body, entry, None, vocab, extra)
     except ApiError as exc:
         raise tinker_named("sample", exc) from None
 
