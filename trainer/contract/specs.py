@@ -43,6 +43,7 @@ from trainer.contract.optimizer import AdamParams as AdamParams
 from trainer.contract.optimizer import check_optimizer_config
 from trainer.contract.rules import check_finite
 from trainer.contract.values import (
+    DEFAULT_MAX_LORA_RANK,
     MAX_LORA_ALPHA,
     MIN_TEMPERATURE,
     PATH_MAX,
@@ -210,7 +211,9 @@ class ModelEntry(StrictSpec):
         default=None, description="tokenizer dir or hub id (default: location)"
     )
     max_seq_length: int = Field(default=4096, ge=2, description="tokens per sample")
-    max_lora_rank: int = Field(default=64, ge=1)
+    max_lora_rank: int = Field(
+        default=DEFAULT_MAX_LORA_RANK, ge=1, description="largest LoRA rank a session may train"
+    )
     max_batch_size: int = Field(default=256, ge=1, description="samples per call")
     max_tokens_per_call: int = Field(
         default=1 << 20,
