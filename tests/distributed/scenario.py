@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from tests.engine.helpers import model_input, random_batch
 from trainer.contract.options import EngineOptions
 from trainer.contract.specs import (
@@ -17,8 +19,10 @@ from trainer.contract.specs import (
     LossConfig,
     ModelEntry,
     ResourceSpec,
+    Sample,
     SamplingParams,
     SessionSpec,
+    TensorData,
 )
 
 # Small rows and budgets: several micro-batches per call, unevenly split over two ranks.
@@ -50,8 +54,9 @@ def session_spec(kind: str, resume_id: str | None = None) -> SessionSpec:
 
 
 def drive(resource: Any, kind: str) -> dict[str, Any]:
-    """Sample at step 0, train 4 steps (PPO on 3 samples, GRPO on 5, custom on 3), forward,
-    sync, then write a training and an inference checkpoint."""
+    """Sample at step 0, train 4 steps (PPO on 3 samples, GRPO on 5; then soft-target cross
+    entropy on 5 and custom on 3), forward, sync, then write a training and an inference
+    checkpoint."""
     session = resource.create_session(f"{kind}-a", session_spec(kind))
     params = SamplingParams(max_tokens=5, seed=11, temperature=1.0)
     prompts = [model_input(PROMPT)]
@@ -71,6 +76,11 @@ def drive(resource: Any, kind: str) -> dict[str, Any]:
         optim = session.optim_step(ADAM)
         steps.append([ppo["loss"], grpo["loss"], optim["metrics"]["grad_norm"]])
         out["ppo_metrics"] = ppo["metrics"]
+    # cross entropy on [T, 3] soft targets (docs/semantics.md §1), accumulated with a custom
+    # forward-backward into the last step
+    out["soft"] = session.forward_backward(
+        LossConfig(type="LOSS_TYPE_CROSS_ENTROPY"), soft_batch(500), return_loss_fn_outputs=True
+    )
     batch = random_batch(300, n=3)
     grads = [Gradient(data=[0.5] * len(s.model_input.tokens)) for s in batch]
     session.custom_forward_backward(batch, grads)
@@ -89,6 +99,25 @@ def drive(resource: Any, kind: str) -> dict[str, Any]:
     out["training"] = session.save_training_checkpoint().id
     out["inference"] = str(session.save_inference_checkpoint().path)
     resource.close_session(f"{kind}-a")
+    return out
+
+
+def soft_batch(seed: int, k: int = 3) -> list[Sample]:
+    """Samples whose `target_tokens` and `weights` are [T, K] (the first position's weights 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for s in random_batch(seed, n=5):
+        t = len(s.model_input.tokens)
+        targets = torch.randint(0, 128, (t, k), generator=gen)
+        weights = torch.rand(t, k, generator=gen)
+        weights[0] = 0.0
+        inputs = {
+            "target_tokens": TensorData(
+                data=targets.reshape(-1).tolist(), dtype="int64", shape=[t, k]
+            ),
+            "weights": TensorData(data=weights.reshape(-1).tolist(), dtype="float32", shape=[t, k]),
+        }
+        out.append(Sample(model_input=s.model_input, loss_fn_inputs=inputs))
     return out
 
 
