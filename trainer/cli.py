@@ -1,6 +1,7 @@
 """`trainer <command>`: one argparse subcommand per entry point.
 
     trainer serve --host 127.0.0.1 --port 8321 --storage DIR --model NAME=PATH_OR_HUB_ID
+    trainer serve ... --model NAME=PATH_OR_HUB_ID,max_lora_rank=256   # a model's limits too
 
 Add a command by writing `add_<name>(subparsers)` that registers its parser with
 `set_defaults(run=...)`, and listing it in `COMMANDS`.
@@ -34,8 +35,9 @@ def _serve_args(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--model",
         action="append",
         default=[],
-        metavar="NAME=PATH_OR_HUB_ID",
-        help="a base model to serve (repeatable)",
+        metavar="NAME=PATH_OR_HUB_ID[,KEY=VALUE...]",
+        help="a base model to serve (repeatable); KEY=VALUE sets its limits, e.g. "
+        "max_lora_rank=256 (trainer.serving.config.MODEL_FLAG_KEYS)",
     )
     p.add_argument("--token-file", type=Path, help="file with the bearer token")
     p.add_argument(

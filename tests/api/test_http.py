@@ -366,7 +366,7 @@ def test_bad_resource_and_session_requests(http: httpx.Client, session: tuple[st
     models = {m["base_model"]: m for m in http.get("/rl/supported-models").json()["data"]}
     assert set(models) == {"tiny-qwen", "tiny-llama", "broken"}
     lora = models["tiny-qwen"]["compute_configs"][0]["trainer_config"]["lora"]
-    assert lora["max_rank"] == 64 and lora["max_seq_length"] == 512  # max_position_embeddings
+    assert lora["max_rank"] == 128 and lora["max_seq_length"] == 512  # max_position_embeddings
 
 
 def test_session_lifecycle_lists_and_patch(http: httpx.Client) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from tests.engine.helpers import model_input, random_batch
 from trainer.checkpoint.export import AdapterExport
 from trainer.contract.options import EngineOptions
@@ -18,8 +20,10 @@ from trainer.contract.specs import (
     LossConfig,
     ModelEntry,
     ResourceSpec,
+    Sample,
     SamplingParams,
     SessionSpec,
+    TensorData,
 )
 
 # Small rows and budgets: several micro-batches per call, unevenly split over two ranks.
@@ -53,8 +57,9 @@ def session_spec(kind: str, resume_id: str | None = None) -> SessionSpec:
 
 
 def drive(resource: Any, kind: str) -> dict[str, Any]:
-    """Sample at step 0, train 4 steps (PPO on 3 samples, GRPO on 5, custom on 3), forward,
-    sync, then write a training and an inference checkpoint."""
+    """Sample at step 0, train 4 steps (PPO on 3 samples, GRPO on 5; then soft-target cross
+    entropy on 5 and custom on 3), forward, sync, then write a training and an inference
+    checkpoint."""
     session = resource.create_session(f"{kind}-a", session_spec(kind))
     params = SamplingParams(max_tokens=5, seed=11, temperature=1.0)
     prompts = [model_input(PROMPT)]
@@ -74,6 +79,11 @@ def drive(resource: Any, kind: str) -> dict[str, Any]:
         optim = session.optim_step(ADAM)
         steps.append([ppo["loss"], grpo["loss"], optim["metrics"]["grad_norm"]])
         out["ppo_metrics"] = ppo["metrics"]
+    # cross entropy on [T, 3] soft targets (docs/semantics.md §1), accumulated with a custom
+    # forward-backward into the last step
+    out["soft"] = session.forward_backward(
+        LossConfig(type="LOSS_TYPE_CROSS_ENTROPY"), soft_batch(500), return_loss_fn_outputs=True
+    )
     batch = random_batch(300, n=3)
     grads = [Gradient(data=[0.5] * len(s.model_input.tokens)) for s in batch]
     session.custom_forward_backward(batch, grads)
@@ -105,6 +115,25 @@ def exports(session: Any, kind: str) -> dict[str, str]:
         "export": str(session.save_inference_checkpoint(export=plain).path),
         "sealed": str(session.save_inference_checkpoint(export=sealed).path),
     }
+
+
+def soft_batch(seed: int, k: int = 3) -> list[Sample]:
+    """Samples whose `target_tokens` and `weights` are [T, K] (the first position's weights 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for s in random_batch(seed, n=5):
+        t = len(s.model_input.tokens)
+        targets = torch.randint(0, 128, (t, k), generator=gen)
+        weights = torch.rand(t, k, generator=gen)
+        weights[0] = 0.0
+        inputs = {
+            "target_tokens": TensorData(
+                data=targets.reshape(-1).tolist(), dtype="int64", shape=[t, k]
+            ),
+            "weights": TensorData(data=weights.reshape(-1).tolist(), dtype="float32", shape=[t, k]),
+        }
+        out.append(Sample(model_input=s.model_input, loss_fn_inputs=inputs))
+    return out
 
 
 def resume_and_save(resource: Any, kind: str, checkpoint_id: str) -> dict[str, str]:

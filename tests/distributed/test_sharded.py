@@ -128,6 +128,14 @@ def test_losses_and_metrics_equal_one_process(runs: Runs, kind: str) -> None:
     for name in ("ppo_metrics",):
         assert one[name].keys() == two[name].keys()
         assert all(_close(one[name][k], two[name][k]) for k in one[name]), (one[name], two[name])
+    sa, sb = one["soft"], two["soft"]  # [T, 3] soft targets: the loss and [T, 3] outputs
+    assert _close(sa["loss"], sb["loss"])
+    for oa, ob in zip(sa["loss_fn_outputs"], sb["loss_fn_outputs"], strict=True):
+        a, b = oa["tensors"]["logprobs"], ob["tensors"]["logprobs"]
+        assert a["shape"] == b["shape"] and a["shape"][1] == 3
+        assert torch.allclose(
+            torch.tensor(a["data"]), torch.tensor(b["data"]), rtol=1e-4, atol=1e-5
+        )
     fa, fb = one["forward"], two["forward"]
     assert _close(fa["loss"], fb["loss"])
     assert all(_close(fa["metrics"][k], fb["metrics"][k]) for k in fa["metrics"])

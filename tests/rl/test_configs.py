@@ -51,4 +51,4 @@ def test_serve_example_is_a_valid_catalogue() -> None:
 
     config = ServeConfig.model_validate(load_toml(CONFIGS / "serve.example.toml"))
     assert [m.name for m in config.models] == ["qwen3-0.6b", "tiny-digits"]
-    assert config.models[0].dtype == "bfloat16" and config.models[0].max_lora_rank == 64
+    assert config.models[0].dtype == "bfloat16" and config.models[0].max_lora_rank == 128

@@ -15,12 +15,9 @@ import pytest
 
 from tests.api.conftest import LiveServer
 from tests.tinker.conftest import COOKBOOK_MODEL, HERE, SECOND_MODEL, run_in_venv, tokenizer_of
-from trainer.api.tinker.records import TinkerSampler
+from trainer.api.tinker.records import TinkerModel, TinkerSampler
 
 RUNNER = str(HERE / "cookbook_runner.py")
-# Until the default max_lora_rank admits 128 (issue 22, item 2), the recipes whose default rank
-# is above 64 run with a small explicit one; drop this knob once it lands.
-UNTIL_RANK_128 = "lora_rank=4"
 RECIPE_MODULES = (
     "tinker_cookbook.recipes.sl_loop",
     "tinker_cookbook.recipes.rl_loop",
@@ -292,6 +289,8 @@ def test_on_policy_distillation_scores_with_its_teacher(
     0.77 -> 0.37 in one run and 0.62 -> 0.79 in another, so it is not asserted.)"""
     log_path = tmp_path / "distill"
     teachers = len(samplers_of(tinker_server, SECOND_MODEL))
+    db = tinker_server.app.state.tinker.db
+    rank_128 = db.count(TinkerModel, "lora_rank = ?", (128,))
     out = run_recipe(
         venv_python,
         tinker_server,
@@ -302,7 +301,6 @@ def test_on_policy_distillation_scores_with_its_teacher(
         f"log_path={log_path}",
         *("group_size=2", "groups_per_batch=4", "max_tokens=8", "learning_rate=0.01"),
         *("eval_every=0", "save_every=0", "max_steps=3"),
-        UNTIL_RANK_128,
     )["."]
     steps = [m for m in out["metrics"] if "teacher_kl" in m]
     assert [m["progress/batch"] for m in steps] == [0, 1, 2], out["metrics"]
@@ -315,6 +313,8 @@ def test_on_policy_distillation_scores_with_its_teacher(
         assert abs(m["optim/kl_sample_train_v1"]) < 1e-3, m
     assert len(samplers_of(tinker_server, SECOND_MODEL)) > teachers, "no teacher sampler"
     assert [c["name"] for c in out["checkpoints"]] == ["final"], out["checkpoints"]
+    # the student trained at the recipe's default rank, 128
+    assert db.count(TinkerModel, "lora_rank = ?", (128,)) == rank_128 + 1
 
 
 def test_rlhf_pipeline_sft_reward_model_rl(

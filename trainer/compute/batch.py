@@ -34,9 +34,10 @@ class PreparedSample:
 
     index: int
     tokens_T: torch.Tensor
-    targets_T: torch.Tensor
+    targets_T: torch.Tensor  # [T], or [T, K]: K weighted targets per position (soft targets)
     mask_T: torch.Tensor  # fp32 0/1
-    inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # fp32 per-token inputs
+    # fp32 per-token inputs: [T], or [T, K] for soft targets' `weights`
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     keep_all: bool = False  # compute (and return) every position; the loss still reads mask_T
     # MoE routing replay: recorded expert ids [positions, layers, k] of its first positions
     # (`moe_replay_keys.attach_routed_experts`); they follow the sample wherever it is packed
@@ -63,16 +64,19 @@ def prepare_samples(
     max_batch_size: int,
     required: tuple[str, ...] = (),
     weights_are_mask: bool = True,
+    soft_targets: bool = False,
     gradients: list[Gradient] | None = None,
 ) -> list[PreparedSample]:
     """Check a call's samples against the rulebook (`trainer.contract.rules.check_samples`,
     with the vocabulary) and turn them into tensors (CPU).
 
     With `weights_are_mask` (every loss but cross entropy), non-zero weights become mask 1.
-    Cross entropy keeps fractional `weights` and masks where `w == 0`.
+    Cross entropy keeps fractional `weights` and masks where `w == 0` (with `soft_targets`,
+    [T, K] targets and weights: a position where all K weights are 0).
     """
     limits = Limits(max_seq_length, max_batch_size, vocab_size=vocab_size)
-    checked = check_samples(samples, limits, Needs(required), gradients)
+    needs = Needs(required, soft_targets=soft_targets)
+    checked = check_samples(samples, limits, needs, gradients)
     prepared = []
     for i, (sample, (tokens, targets)) in enumerate(zip(samples, checked, strict=True)):
         gradient = gradients[i] if gradients is not None else None
@@ -94,13 +98,16 @@ def _prepare_one(
     floats: dict[str, torch.Tensor] = {}
     for name in FLOAT_INPUTS:
         if name in inputs:
-            floats[name] = torch.from_numpy(as_float32(inputs[name].data))
+            values = torch.from_numpy(as_float32(inputs[name].data))
+            shape = inputs[name].shape
+            floats[name] = values.reshape(shape) if shape is not None else values
     if gradient is not None:
         floats["gradients"] = torch.from_numpy(as_float32(gradient.data))
     if "mask" in floats:
         mask = (floats["mask"] != 0).float()
     elif "weights" in floats:
-        mask = (floats["weights"] != 0).float()
+        nonzero = floats["weights"] != 0
+        mask = (nonzero.any(-1) if nonzero.ndim == 2 else nonzero).float()
         if weights_are_mask:
             floats["weights"] = mask
     else:

@@ -1,5 +1,9 @@
 """Per-token logprobs of the target tokens, from hidden states, chunked over tokens.
 
+Targets are `[N]` (one per position) or `[N, K]` (soft targets: K per position), and so are the
+logprobs: every one of a position's K is gathered from that position's one log-softmax, so K
+targets cost one head matmul per position, not K.
+
 Design notes: `docs/design/compute.md`.
 """
 
@@ -28,7 +32,19 @@ def _lse_(logits_C_V: torch.Tensor) -> torch.Tensor:
     return max_C + sum_C.log()
 
 
-Term = tuple[torch.Tensor, torch.Tensor]  # (x_N_K, weight_V_K): logits += x @ weight.T
+Term = tuple[torch.Tensor, torch.Tensor]  # (x_N_I, weight_V_I): logits += x @ weight.T
+
+
+def _pick(logits_C_V: torch.Tensor, targets_C: torch.Tensor) -> torch.Tensor:
+    """The logits of the targets: `[C]` for `[C]` targets, `[C, K]` for `[C, K]` ones."""
+    if targets_C.ndim == 1:
+        return logits_C_V.gather(-1, targets_C[:, None]).squeeze(-1)
+    return logits_C_V.gather(-1, targets_C)
+
+
+def _rows(x_C: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A per-position `[C]` value against `like` (`[C]`, or `[C, K]`: one column per target)."""
+    return x_C if like.ndim == 1 else x_C[:, None]
 
 
 def _logits(terms: list[Term], start: int, end: int, bias_V: torch.Tensor | None) -> torch.Tensor:
@@ -45,7 +61,8 @@ def _logits(terms: list[Term], start: int, end: int, bias_V: torch.Tensor | None
 
 
 class _LinearLogprobs(torch.autograd.Function):
-    """`log softmax(Σ_i x_i @ W_i.T + b)[targets]` over token chunks (module docstring).
+    """`log softmax(Σ_i x_i @ W_i.T + b)[targets]` over token chunks (module docstring), for
+    `[N]` or `[N, K]` targets.
 
     A plain head is one term `(hidden, W)`; a LoRA head adds `(scale · A(dropout(hidden)), B)`,
     whose `[N, r]` input is computed (with its dropout) once, outside, under autograd.
@@ -61,16 +78,16 @@ class _LinearLogprobs(torch.autograd.Function):
     ) -> torch.Tensor:
         terms = list(zip(flat_terms[0::2], flat_terms[1::2]))
         n = targets_N.shape[0]
-        logprobs_N = flat_terms[0].new_empty(n, dtype=torch.float32)
+        logprobs_N = flat_terms[0].new_empty(targets_N.shape, dtype=torch.float32)
         lse_N = flat_terms[0].new_empty(n, dtype=torch.float32)
         for start in range(0, n, chunk_tokens):
             end = min(start + chunk_tokens, n)
             logits_C_V = _logits(terms, start, end, bias_V)
-            target_C = logits_C_V.gather(-1, targets_N[start:end, None]).squeeze(-1)
+            target_C = _pick(logits_C_V, targets_N[start:end])
             lse_C = _lse_(logits_C_V)
             del logits_C_V
             lse_N[start:end] = lse_C
-            logprobs_N[start:end] = target_C - lse_C
+            logprobs_N[start:end] = target_C - _rows(lse_C, target_C)
         # Activations (the x's) are saved; the head's weights are held by reference: they are
         # alive anyway, and saved-tensor hooks (offloading, memory audits) should not see them.
         ctx.save_for_backward(targets_N, lse_N, *flat_terms[0::2])
@@ -98,12 +115,13 @@ class _LinearLogprobs(torch.autograd.Function):
         grad_b = torch.zeros(bias_V.shape, device=bias_V.device) if need_b else None
         for start in range(0, n, ctx.chunk_tokens):
             end = min(start + ctx.chunk_tokens, n)
-            g_C = grad_N[start:end]
-            # d lp / d logits = onehot(target) − softmax, times the incoming gradient, in place.
+            g_C_K = grad_N[start:end].reshape(end - start, -1)  # [C, K]; K = 1 for [N] targets
+            targets_C_K = targets_N[start:end].reshape(end - start, -1)
+            # d lp_k / d logits = onehot(target_k) − softmax, so the position's gradient is
+            # Σ_k g_k·onehot(target_k) − (Σ_k g_k)·softmax, in place.
             dlogits_C_V = _logits(terms, start, end, bias_V)
-            dlogits_C_V.sub_(lse_N[start:end, None]).exp_().mul_(-g_C[:, None])
-            rows = torch.arange(end - start, device=dlogits_C_V.device)
-            dlogits_C_V[rows, targets_N[start:end]] += g_C
+            dlogits_C_V.sub_(lse_N[start:end, None]).exp_().mul_(-g_C_K.sum(-1, keepdim=True))
+            dlogits_C_V.scatter_add_(1, targets_C_K, g_C_K)
             cast: dict[torch.dtype, torch.Tensor] = {torch.float32: dlogits_C_V}
             for i, (x, w) in enumerate(terms):
                 d = cast.get(w.dtype)
@@ -165,10 +183,10 @@ def _chunk_logprobs(
     head: nn.Module, hidden_C_H: torch.Tensor, targets_C: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     logits_C_V = head(hidden_C_H).float()
-    target_logits_C = logits_C_V.gather(-1, targets_C[:, None]).squeeze(-1)
+    target_logits_C = _pick(logits_C_V, targets_C)
     max_C = logits_C_V.detach().amax(dim=-1, keepdim=True)
     lse_C = (logits_C_V - max_C).exp().sum(-1).log() + max_C.squeeze(-1)
-    return target_logits_C - lse_C, lse_C
+    return target_logits_C - _rows(lse_C, target_logits_C), lse_C
 
 
 def token_logprobs(
@@ -182,7 +200,9 @@ def token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Return (`logprobs_N` fp32, `entropy_N` fp32 without gradient, or None).
 
-    `logprobs_N[i] = log softmax(head(hidden_N_H[i]))[targets_N[i]]`.
+    `logprobs_N[i] = log softmax(head(hidden_N_H[i]))[targets_N[i]]`; for `[N, K]` targets
+    `logprobs_N_K[i, k]` is the same log softmax at `targets_N_K[i, k]` (one softmax per
+    position), and the entropy stays `[N]`.
     `backend`: "ours", or "liger" (liger-kernel's
     fused linear cross entropy, used only on CUDA, for a plain `nn.Linear` head, without
     entropy, when the package is installed; ours otherwise).
@@ -191,16 +211,18 @@ def token_logprobs(
         raise ValueError("hidden states and targets must have the same number of tokens")
     if chunk_tokens < 1:
         raise ValueError("chunk_tokens must be at least 1")
+    if targets_N.ndim not in (1, 2):
+        raise ValueError("targets must be [N] or [N, K]")
     if hidden_N_H.shape[0] == 0:
         empty = hidden_N_H.new_zeros(0, dtype=torch.float32)
-        return empty, (empty if with_entropy else None)
+        return empty.new_zeros(targets_N.shape), (empty if with_entropy else None)
     needs_grad = torch.is_grad_enabled() and (
         hidden_N_H.requires_grad or any(p.requires_grad for p in head.parameters())
     )
     if with_entropy or not needs_grad:
         with torch.set_grad_enabled(needs_grad):
             return _forward_only(hidden_N_H, head, targets_N, chunk_tokens, with_entropy)
-    if _use_liger(backend, head, hidden_N_H):
+    if targets_N.ndim == 1 and _use_liger(backend, head, hidden_N_H):
         assert isinstance(head, nn.Linear)
         return liger_token_logprobs(hidden_N_H, head.weight, head.bias, targets_N), None
     decomposed = linear_terms(head, hidden_N_H)
@@ -292,7 +314,7 @@ def _no_grad_chunk(
     head: nn.Module, hidden_C_H: torch.Tensor, targets_C: torch.Tensor, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     logits_C_V = head(hidden_C_H.detach()).float()
-    target_C = logits_C_V.gather(-1, targets_C[:, None]).squeeze(-1)
+    target_C = _pick(logits_C_V, targets_C)
     max_C = logits_C_V.amax(dim=-1)
     max_C = torch.where(torch.isfinite(max_C), max_C, torch.zeros_like(max_C))
     exp_C_V = (logits_C_V - max_C[:, None]).exp_()
@@ -301,7 +323,7 @@ def _no_grad_chunk(
     entropy_C = None
     if with_entropy:
         entropy_C = lse_C - exp_C_V.mul_(logits_C_V).sum(-1) / sum_C
-    return target_C - lse_C, entropy_C
+    return target_C - _rows(lse_C, target_C), entropy_C
 
 
 def liger_available() -> bool:
@@ -345,6 +367,7 @@ def liger_token_logprobs(
 def naive_token_logprobs(
     hidden_N_H: torch.Tensor, head: nn.Module, targets_N: torch.Tensor
 ) -> torch.Tensor:
-    """Reference: full fp32 `[N, V]` logits at once. For tests and benchmarks only."""
+    """Reference: full fp32 `[N, V]` logits at once, `[N]` or `[N, K]` targets. For tests and
+    benchmarks only."""
     logits_N_V = head(hidden_N_H).float()
-    return torch.log_softmax(logits_N_V, dim=-1).gather(-1, targets_N[:, None]).squeeze(-1)
+    return _pick(torch.log_softmax(logits_N_V, dim=-1), targets_N)

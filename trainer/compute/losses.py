@@ -30,6 +30,9 @@ Metrics = dict[str, tuple[float, float]]
 
 @dataclass(frozen=True)
 class LossInputs:
+    """A micro-batch's kept positions (`_P`). With soft targets (cross entropy's [T, K]
+    `target_tokens`), `logprobs_P` and `weights_P` are `[P, K]`: lp_tk and w_tk."""
+
     logprobs_P: torch.Tensor  # lp_t, current policy (requires grad in training)
     sample_index_P: torch.Tensor  # int64 in [0, B): which sample of this batch each token is in
     num_samples: int  # B
@@ -124,10 +127,16 @@ def _clip_metrics(ratio_P: torch.Tensor, keep_P: torch.Tensor, lo: float, hi: fl
 
 
 def cross_entropy_loss(inputs: LossInputs, params: CrossEntropyParams) -> LossOutputs:
-    """L = Σ_t -w_t · lp_t. Reduction: sum over the batch's tokens with m_t = 1 (m = w≠0)."""
+    """L = Σ_t -w_t · lp_t. Reduction: sum over the batch's tokens with m_t = 1 (m = w≠0).
+
+    Soft targets ([P, K] logprobs and weights): L = Σ_t Σ_k -w_tk · lp_tk, summed over the
+    entries with w_tk ≠ 0 (m_t = 1 where any is); `loss/logprob/mean` is the mean lp_tk over
+    those entries. With K = 1 both are the [P] case's, bit for bit."""
     w_P = _given(inputs.weights_P, "weights")
     lp_P = inputs.logprobs_P.float()
     keep_P = inputs.mask_P != 0
+    if lp_P.ndim == 2:
+        keep_P = keep_P[:, None] & (w_P != 0)
     loss = _masked(-w_P * lp_P, keep_P).sum()
     return LossOutputs(loss, {"loss/logprob/mean": _token_mean(lp_P, keep_P)})
 

@@ -50,26 +50,28 @@ def add_metrics(
         sums["loss/entropy/mean"][1] += float(entropy_P.numel())
 
 
-def collect_outputs(
-    batch: MicroBatch, logprobs_P: torch.Tensor, outputs: dict[int, list[float]]
-) -> None:
+Outputs = dict[int, list[Any]]
+"""Call-level sample index -> its logprobs: `[T]` floats, or `[T][K]` for soft targets."""
+
+
+def collect_outputs(batch: MicroBatch, logprobs_P: torch.Tensor, outputs: Outputs) -> None:
     """Each sample's logprobs at every position (0 where not kept: masked, unless the sample
-    keeps every position), by call-level index."""
+    keeps every position; a whole row of K for soft targets), by call-level index."""
     offset = 0
     for sample in batch.samples:
         kept = sample.kept_T
         n = int(kept.sum())
-        full = torch.zeros(sample.length, dtype=torch.float32)
+        full = logprobs_P.new_zeros((sample.length, *logprobs_P.shape[1:]))
         full[kept] = logprobs_P[offset : offset + n]
         outputs[sample.index] = full.tolist()
         offset += n
 
 
-def sum_reports(reports: list[dict[str, Any]]) -> tuple[float, Sums, dict[int, list[float]]]:
+def sum_reports(reports: list[dict[str, Any]]) -> tuple[float, Sums, Outputs]:
     """Sum the ranks' losses and metric (numerator, denominator) pairs, in rank order, and
     collect their per-sample outputs."""
     sums = new_sums()
-    outputs: dict[int, list[float]] = {}
+    outputs: Outputs = {}
     for report in reports:
         for name, (num, den) in report["sums"].items():
             sums[name][0] += num
@@ -81,17 +83,23 @@ def sum_reports(reports: list[dict[str, Any]]) -> tuple[float, Sums, dict[int, l
 def call_result(
     total: float,
     sums: Sums,
-    outputs: dict[int, list[float]] | None,
+    outputs: Outputs | None,
     norm: Any,
 ) -> dict[str, Any]:
     """The call's result from its summed loss, metric (numerator, denominator) pairs and
-    per-sample logprobs."""
+    per-sample logprobs (soft targets': flat row-major data with `shape` [T, K])."""
     metrics = {name: (num / den if den else 0.0) for name, (num, den) in sums.items()}
     metrics["loss/tokens"] = norm.total_mask
     result: dict[str, Any] = {"loss": total, "metrics": metrics}
     if outputs is not None:
         result["loss_fn_outputs"] = [
-            {"tensors": {"logprobs": {"data": outputs[i], "dtype": "float32"}}}
-            for i in sorted(outputs)
+            {"tensors": {"logprobs": _tensor(outputs[i])}} for i in sorted(outputs)
         ]
     return result
+
+
+def _tensor(values: list[Any]) -> dict[str, Any]:
+    if not values or not isinstance(values[0], list):
+        return {"data": values, "dtype": "float32"}
+    flat = [v for row in values for v in row]
+    return {"data": flat, "dtype": "float32", "shape": [len(values), len(values[0])]}

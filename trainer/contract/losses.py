@@ -2,8 +2,9 @@
 
 `LOSS_SPECS` holds, per wire `LOSS_TYPE_*` (its short name is the rest in lower case: `ppo`),
 the loss's params object on the wire (`<x>_params`) and its class with the defaults and bounds,
-the `loss_fn_inputs` it requires, those it reads when given, whether `weights` are a mask, and
-the inputs it needs only with some params (`InputRule`). `LOSS_INPUTS` holds, per input, the
+the `loss_fn_inputs` it requires, those it reads when given, whether `weights` are a mask,
+whether it takes [T, K] soft targets, and the inputs it needs only with some params
+(`InputRule`). `LOSS_INPUTS` holds, per input, the
 dtypes it may be sent in and the `LossInputs` field a loss function reads it from.
 
 Everything else is derived from these two tables: the checks of `trainer.contract.rules` (the
@@ -71,7 +72,7 @@ class _ClipParams(Spec):
 
 
 class CrossEntropyParams(Spec):
-    """No knobs. L = sum_t -w_t * lp_t."""
+    """No knobs. L = sum_t -w_t * lp_t; with [T, K] soft targets sum_t sum_k -w_tk * lp_tk."""
 
 
 class ImportanceSamplingParams(Spec):
@@ -152,6 +153,11 @@ LOSS_INPUTS: dict[str, LossInput] = {
 """Every input a loss can read. Each sample carries `target_tokens`; `mask` (m_t = mask != 0)
 or `weights` (not both) mask its tokens, for every loss."""
 
+SOFT_INPUTS = ("target_tokens", "weights")
+"""The inputs that may be [T, K] for a loss with `soft_targets` (both, of the same shape)."""
+MAX_TARGET_COLUMNS = 128
+"""K of [T, K] soft targets: at most this many weighted targets per position."""
+
 TOKEN_INPUTS = tuple(name for name, spec in LOSS_INPUTS.items() if spec.token_ids)
 FLOAT_INPUTS = tuple(name for name, spec in LOSS_INPUTS.items() if not spec.token_ids)
 
@@ -181,6 +187,9 @@ class LossSpec:
     rl_face: bool = True  # False: the Tinker face alone builds its inputs (a 400 on the RL face)
     # inputs the Tinker face builds from its records (a datum may send them; they are replaced)
     built: tuple[str, ...] = ()
+    # `target_tokens` and `weights` may be [T, K]: K weighted targets per position (the soft
+    # targets of top-K distillation); every other input stays [T]
+    soft_targets: bool = False
 
     def rules_for(self, params: Any) -> tuple[InputRule, ...]:
         """The conditional inputs that these params make required."""
@@ -194,7 +203,11 @@ class LossSpec:
 _POLICY_INPUTS = ("logprobs", "advantages")
 LOSS_SPECS: dict[str, LossSpec] = {
     "LOSS_TYPE_CROSS_ENTROPY": LossSpec(
-        "cross_entropy_params", CrossEntropyParams, ("weights",), weights_are_mask=False
+        "cross_entropy_params",
+        CrossEntropyParams,
+        ("weights",),
+        weights_are_mask=False,
+        soft_targets=True,
     ),
     "LOSS_TYPE_IMPORTANCE_SAMPLING": LossSpec(
         "importance_sampling_params", ImportanceSamplingParams, _POLICY_INPUTS

@@ -26,7 +26,13 @@ import numpy as np
 
 from trainer.contract.arrays import INT64_MAX, IntArray, NumArray, first
 from trainer.contract.errors import InputError
-from trainer.contract.losses import LOSS_INPUTS, LOSS_SPECS, InputRule
+from trainer.contract.losses import (
+    LOSS_INPUTS,
+    LOSS_SPECS,
+    MAX_TARGET_COLUMNS,
+    SOFT_INPUTS,
+    InputRule,
+)
 
 MAX_TOPK_PROMPT_LOGPROBS = 20
 
@@ -39,6 +45,10 @@ class Tensor(Protocol):
 
     @property
     def data(self) -> Sequence[Any] | NumArray: ...
+
+    @property
+    def shape(self) -> Sequence[int] | None:
+        """None or `[len(data)]`: one value per token; `[T, K]`: soft targets (flat data)."""
 
 
 class Tokens(Protocol):
@@ -115,17 +125,21 @@ class Limits:
 @dataclass(frozen=True)
 class Needs:
     """The inputs every sample of a call carries: `target_tokens`, `required`, and those of the
-    `rules` that apply; `by` says who needs them ("loss LOSS_TYPE_PPO"; None: unsaid)."""
+    `rules` that apply; `by` says who needs them ("loss LOSS_TYPE_PPO"; None: unsaid).
+    `soft_targets`: `target_tokens` and `weights` may be [T, K] (the loss's `LossSpec`)."""
 
     required: tuple[str, ...] = ()
     rules: tuple[InputRule, ...] = ()
     by: str | None = "this loss"
+    soft_targets: bool = False
 
     @classmethod
     def of_loss(cls, loss_type: str, params: Any, by: str | None = None) -> Needs:
         """What `loss_type` with these parsed params needs, from the registry."""
         spec = LOSS_SPECS[loss_type]
-        return cls(spec.required, spec.rules_for(params), by or f"loss {loss_type}")
+        return cls(
+            spec.required, spec.rules_for(params), by or f"loss {loss_type}", spec.soft_targets
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -259,7 +273,8 @@ def check_inputs(
 ) -> IntArray:
     """The `loss_fn_inputs` of sample `where` (`length` tokens): what `needs` names is there,
     not both `weights` and `mask`, each input in a dtype of the registry and with one value per
-    token, and target ids in range. Returns the target ids (int64)."""
+    token (or, for soft targets, one row of K per token: `check_soft_targets`), and target ids
+    in range. Returns the target ids (int64), shaped [T] or [T, K]."""
     field = f"{where}.loss_fn_inputs"
     for name in ("target_tokens", *needs.required):
         if name not in inputs:
@@ -267,15 +282,91 @@ def check_inputs(
     check_conditional(where, inputs, needs.rules, needs.by)
     if "weights" in inputs and "mask" in inputs:
         raise InputError(field, "weights and mask are mutually exclusive")
+    columns = check_soft_targets(field, length, inputs, needs)
     for name, tensor in inputs.items():
         known = LOSS_INPUTS.get(name)
         if known is not None and tensor.dtype not in known.dtypes:
             raise InputError(f"{field}.{name}.dtype", f"must be one of {list(known.dtypes)}")
-        if len(tensor.data) != length:
+        if len(_shape(tensor)) == 1 and len(tensor.data) != length:
             raise InputError(
                 f"{field}.{name}", f"has {len(tensor.data)} values for {length} model_input tokens"
             )
-    return check_ids(inputs["target_tokens"].data, f"{field}.target_tokens", vocab_size)
+    name = f"{field}.target_tokens"
+    if columns is None:
+        return check_ids(inputs["target_tokens"].data, name, vocab_size)
+    ids = check_ids(inputs["target_tokens"].data, _cell(name, columns), vocab_size)
+    return ids.reshape(length, columns)
+
+
+def _shape(tensor: Tensor) -> list[int]:
+    shape = getattr(tensor, "shape", None)
+    return [len(tensor.data)] if shape is None else [int(n) for n in shape]
+
+
+def _cell(field: str, columns: int) -> Callable[[int], str]:
+    """Flat index k of a [T, K] tensor -> `{field}[t][j]`."""
+    return lambda k: f"{field}[{k // columns}][{k % columns}]"
+
+
+def check_soft_targets(
+    field: str, length: int, inputs: Mapping[str, Tensor], needs: Needs
+) -> int | None:
+    """K when the sample sends [T, K] soft targets, else None (every input is [T]).
+
+    Only a loss with `soft_targets` (cross entropy) takes them, and only as `target_tokens`
+    and `weights`, both [T, K] (`weights` may be omitted where the loss does not require it),
+    with T the model input's length and 1 ≤ K ≤ `MAX_TARGET_COLUMNS`; any other input
+    stays [T]. A refusal names the tensor's `shape`."""
+    shapes = {name: _shape(tensor) for name, tensor in inputs.items()}
+    two_d = [name for name, shape in shapes.items() if len(shape) != 1]
+    if not two_d:
+        return None
+    for name in two_d:
+        where, shape = f"{field}.{name}.shape", shapes[name]
+        if len(shape) != 2:
+            raise InputError(where, f"{shape} is neither [T] nor [T, K]")
+        if not needs.soft_targets or name not in SOFT_INPUTS:
+            raise InputError(
+                where,
+                f"{shape} must be [{length}] (1-D): only cross entropy's target_tokens and "
+                "weights take [T, K]",
+            )
+        rows, columns = shape
+        if rows != length:
+            raise InputError(where, f"{shape} has {rows} rows for {length} model_input tokens")
+        if not 1 <= columns <= MAX_TARGET_COLUMNS:
+            raise InputError(
+                where,
+                f"{shape}: K = {columns} targets per position, not in [1, {MAX_TARGET_COLUMNS}]",
+            )
+        if len(inputs[name].data) != rows * columns:
+            raise InputError(
+                f"{field}.{name}", f"has {len(inputs[name].data)} values for shape {shape}"
+            )
+    target, weights = shapes["target_tokens"], shapes.get("weights")
+    if weights is not None and weights != target:
+        raise InputError(
+            f"{field}.weights.shape",
+            f"{weights} does not match target_tokens' {target}: [T, K] soft targets take "
+            "target_tokens and weights of one shape",
+        )
+    return target[1] if len(target) == 2 else None
+
+
+def check_same_columns(columns: list[int | None], field: Callable[[int], str]) -> None:
+    """Every sample of a call sends its targets in one shape: all [T] (None), or all [T, K]
+    with the same K (`field(i)`: sample i's `target_tokens`)."""
+
+    def said(k: int | None) -> str:
+        return "[T] (1-D)" if k is None else f"[T, {k}]"
+
+    for i, k in enumerate(columns):
+        if k != columns[0]:
+            raise InputError(
+                f"{field(i)}.shape",
+                f"is {said(k)} where the call's first sample's is {said(columns[0])}: every "
+                "sample of a call sends target_tokens of one shape",
+            )
 
 
 def check_gradient_count(count: int, samples: int) -> None:
@@ -320,6 +411,8 @@ def check_samples(
         if gradients is not None:
             check_gradient(i, gradients[i], len(ids))
         checked.append((ids, targets))
+    columns = [int(t.shape[1]) if t.ndim == 2 else None for _, t in checked]
+    check_same_columns(columns, lambda i: f"samples[{i}].loss_fn_inputs.target_tokens")
     return checked
 
 

@@ -44,6 +44,7 @@ from trainer.contract.optimizer import AdamParams as AdamParams
 from trainer.contract.optimizer import check_optimizer_config
 from trainer.contract.rules import check_finite
 from trainer.contract.values import (
+    DEFAULT_MAX_LORA_RANK,
     MAX_LORA_ALPHA,
     MIN_TEMPERATURE,
     PATH_MAX,
@@ -60,7 +61,9 @@ from trainer.contract.values import int_from_str as _int_from_str
 
 
 class TensorData(Spec):
-    """A 1-D tensor as flat JSON numbers. Token ids may be strings (protobuf int64)."""
+    """A 1-D tensor as flat JSON numbers. Token ids may be strings (protobuf int64). `shape`
+    may also be `[T, K]` (row-major data): cross entropy's soft targets, which only
+    `target_tokens` and `weights` take (`trainer.contract.rules.check_soft_targets`)."""
 
     # a list, or the int64/float64 array a large body was packed into (`trainer.contract.arrays`)
     data: Annotated[
@@ -76,9 +79,12 @@ class TensorData(Spec):
         if self.sparse_crow_indices is not None or self.sparse_col_indices is not None:
             raise ValueError("sparse tensors are not supported: omit sparse_crow/col_indices")
         if self.shape is not None and self.shape != [len(self.data)]:
-            raise ValueError(
-                f"shape must be [len(data)] = [{len(self.data)}] (1-D only), got {self.shape}"
-            )
+            two_d = len(self.shape) == 2 and min(self.shape) >= 0
+            if not two_d or self.shape[0] * self.shape[1] != len(self.data):
+                raise ValueError(
+                    f"shape must be [len(data)] = [{len(self.data)}], or [T, K] with "
+                    f"T·K = len(data) (soft targets), got {self.shape}"
+                )
         if isinstance(self.data, np.ndarray):
             values = tensor_values(self.data, self.dtype)
             if self.dtype == "float32":
@@ -211,7 +217,9 @@ class ModelEntry(StrictSpec):
         default=None, description="tokenizer dir or hub id (default: location)"
     )
     max_seq_length: int = Field(default=4096, ge=2, description="tokens per sample")
-    max_lora_rank: int = Field(default=64, ge=1)
+    max_lora_rank: int = Field(
+        default=DEFAULT_MAX_LORA_RANK, ge=1, description="largest LoRA rank a session may train"
+    )
     max_batch_size: int = Field(default=256, ge=1, description="samples per call")
     max_tokens_per_call: int = Field(
         default=1 << 20,

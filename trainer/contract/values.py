@@ -4,7 +4,8 @@
   would read "٣" as 3, fail on "²" and raise past 4,300 digits.
 - Seeds are int64; `torch.Generator.manual_seed` takes them all (it fails past 2**64 - 1).
 - A sampling temperature is 0 (greedy) or at least `MIN_TEMPERATURE`; LoRA's alpha is at most
-  `MAX_LORA_ALPHA`; a local location fits the filesystem's `PATH_MAX` and `NAME_MAX`.
+  `MAX_LORA_ALPHA`, and a model admits ranks up to `DEFAULT_MAX_LORA_RANK` unless its catalogue
+  entry says otherwise; a local location fits the filesystem's `PATH_MAX` and `NAME_MAX`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ MAX_LORA_ALPHA = 2**16
 # float32 logits overflow, or the temperature itself rounds to 0 in float32.
 MIN_TEMPERATURE = 1e-6
 PATH_MAX, NAME_MAX = 4096, 255  # Linux: bytes in a path, and in one of its components
+# A model's default `max_lora_rank`: the smallest power of two that admits every default rank
+# of tinker-cookbook 0.6.1's recipes (on-policy distillation, multi-teacher, off-policy
+# reasoning and SDFT default to 128; the rest to 64 or less).
+DEFAULT_MAX_LORA_RANK = 128
 
 
 def parse_int_text(text: str) -> int | None:

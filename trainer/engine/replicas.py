@@ -56,10 +56,26 @@ def start_replicas(
     device: torch.device,
 ) -> ReplicaPool:
     """`count` healthy replicas of `entry` (raises `ReplicaStartError` with vLLM's reason)."""
+    config = replica_config(entry, options, lora=lora, tokenizer=tokenizer, device=device)
+    pool = ReplicaPool(count, options, config, cuda=device.type == "cuda")
+    pool.start()
+    return pool
+
+
+def replica_config(
+    entry: ModelEntry,
+    options: GeneratorOptions,
+    *,
+    lora: bool,
+    tokenizer: bool,
+    device: torch.device,
+) -> dict[str, Any]:
+    """What each replica of `entry` starts with (`vllm_child/vllm_replica.py` reads it). Its
+    `max_lora_rank` is the generator's, else the model's, rounded up to a rank vLLM takes."""
     model = local_dir(entry.location, entry.revision)
     rank = options.max_lora_rank or entry.max_lora_rank
     dtype = options.dtype if options.dtype != "auto" else entry.dtype
-    config: dict[str, Any] = {
+    return {
         "model": str(model),
         "tokenizer": str(entry.tokenizer or model) if tokenizer else None,
         "dtype": dtype,
@@ -76,9 +92,6 @@ def start_replicas(
         "extra_engine_args": options.extra_engine_args,
         "env": options.env,
     }
-    pool = ReplicaPool(count, options, config, cuda=device.type == "cuda")
-    pool.start()
-    return pool
 
 
 class ReplicaStartError(RuntimeError):

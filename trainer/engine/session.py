@@ -154,6 +154,7 @@ class TrainingSession:
         samples: list[Sample],
         required: tuple[str, ...] = (),
         weights_are_mask: bool = True,
+        soft_targets: bool = False,
         gradients: list[Gradient] | None = None,
     ) -> list[PreparedSample]:
         entry = self.resource.entry
@@ -164,6 +165,7 @@ class TrainingSession:
             max_batch_size=entry.max_batch_size,
             required=required,
             weights_are_mask=weights_are_mask,
+            soft_targets=soft_targets,
             gradients=gradients,
         )
         attach_routed_experts(self, samples, prepared)  # MoE routing replay (docs/semantics.md §12)
@@ -204,7 +206,12 @@ class TrainingSession:
     ) -> WorkItem:
         """`forward_backward`'s call, validated and prepared, not run yet."""
         spec, params = loss.spec, loss.params()
-        prepared = self._prepare(samples, spec.required, weights_are_mask=spec.weights_are_mask)
+        prepared = self._prepare(
+            samples,
+            spec.required,
+            weights_are_mask=spec.weights_are_mask,
+            soft_targets=spec.soft_targets,
+        )
         for sample in prepared:
             sample.keep_all = logprobs_unmasked
         check_rules(prepared, spec.rules_for(params))

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from trainer.contract.values import DEFAULT_MAX_LORA_RANK
 from trainer.rl.tasks import BOS, DIGITS_VOCAB, EOS, PAD
 from trainer.tiny import TinySpec
 
@@ -36,7 +37,9 @@ class ModelConfig(Section):
     )
     max_seq_length: int = Field(default=256, ge=8, description="tokens per sample")
     max_batch_size: int = Field(default=1024, ge=1, description="samples per call")
-    max_lora_rank: int = Field(default=64, ge=1, description="largest LoRA rank allowed")
+    max_lora_rank: int = Field(
+        default=DEFAULT_MAX_LORA_RANK, ge=1, description="largest LoRA rank allowed"
+    )
     # tiny models only
     arch: Literal["qwen3", "llama"] = Field(default="qwen3", description="tiny: architecture")
     hidden_size: int = Field(default=64, ge=8, description="tiny: width")

@@ -6,6 +6,7 @@ Design notes: `docs/design/serving.md`.
 from __future__ import annotations
 
 import ipaddress
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -116,22 +117,57 @@ def load_toml(path: Path) -> dict[str, Any]:
     return data
 
 
-def parse_model_flag(value: str) -> tuple[str, str]:
-    """`NAME=PATH_OR_HUB_ID` -> (name, location)."""
-    name, sep, location = value.partition("=")
+# the `ModelEntry` keys a `--model` flag may set after its location (`,KEY=VALUE`)
+MODEL_FLAG_KEYS = (
+    "max_lora_rank",
+    "max_seq_length",
+    "max_batch_size",
+    "max_tokens_per_call",
+    "dtype",
+    "tokenizer",
+    "revision",
+    "trust_remote_code",
+)
+_KEY = re.compile(r"[a-z_]+")
+
+
+def parse_model_flag(value: str) -> tuple[str, str, dict[str, str]]:
+    """`NAME=PATH_OR_HUB_ID[,KEY=VALUE...]` -> (name, location, {key: value}).
+
+    The trailing `,KEY=VALUE` parts set that entry's `ModelEntry` keys (`MODEL_FLAG_KEYS`:
+    `--model qwen=Qwen/Qwen3-8B,max_lora_rank=256`); the values are validated with the rest
+    of the catalogue. A comma not followed by `KEY=` stays in the location."""
+    name, sep, rest = value.partition("=")
+    parts = rest.split(",")
+    keys: dict[str, str] = {}
+    while len(parts) > 1:
+        key, eq, item = parts[-1].partition("=")
+        if not eq or not _KEY.fullmatch(key.strip()):
+            break
+        key = key.strip()
+        if key not in MODEL_FLAG_KEYS:
+            raise ValueError(
+                f"--model {value!r}: {key!r} is not a model key; one of {list(MODEL_FLAG_KEYS)}"
+            )
+        if key in keys:
+            raise ValueError(f"--model {value!r}: {key} is given twice")
+        keys[key] = item.strip()
+        parts.pop()
+    location = ",".join(parts)
     if not sep or not name.strip() or not location.strip():
-        raise ValueError(f"--model expects NAME=PATH_OR_HUB_ID, got {value!r}")
-    return name.strip(), location.strip()
+        raise ValueError(f"--model expects NAME=PATH_OR_HUB_ID[,KEY=VALUE...], got {value!r}")
+    return name.strip(), location.strip(), dict(reversed(keys.items()))
 
 
 def overlay_models(base: list[dict[str, Any]], flags: list[str]) -> list[dict[str, Any]]:
-    """Command-line models override the location of same-named config models, else append."""
+    """Command-line models override the location (and the keys they give) of same-named
+    config models, else append."""
     merged = [dict(m) for m in base]
     for flag in flags:
-        name, location = parse_model_flag(flag)
+        name, location, keys = parse_model_flag(flag)
         existing = next((m for m in merged if m.get("name") == name), None)
         if existing is not None:
-            existing["location"] = location
+            existing.update(location=location, **keys)
         else:
-            merged.append({"name": name, "location": location})
+            merged.append({"name": name, "location": location, **keys})
     return merged

@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 
+from trainer.contract.losses import MAX_TARGET_COLUMNS, SOFT_INPUTS
 from trainer.serving.jsonparse import (
     ANY,
     INT64_MAX,
@@ -75,6 +76,13 @@ _PER_TOKEN: tuple[Pattern, ...] = (
     ("samples", ANY, "loss_fn_inputs", ANY, "data"),
     ("gradients", ANY, "data"),
     ("forward_backward_input", "data", ANY, "loss_fn_inputs", ANY, "data"),
+)
+# the inputs that may be [T, K] soft targets (flat data): up to MAX_TARGET_COLUMNS per token;
+# the rulebook checks each one's exact length once its shape is known
+_PER_TARGET: tuple[Pattern, ...] = tuple(
+    (*prefix, "loss_fn_inputs", name, "data")
+    for prefix in (("samples", ANY), ("forward_backward_input", "data", ANY))
+    for name in SOFT_INPUTS
 )
 _INPUTS: tuple[Pattern, ...] = (
     ("samples", ANY, "loss_fn_inputs"),
@@ -140,6 +148,8 @@ class Scanner:
         b = self.bounds
         if matches(self.parts, _BATCHES):
             return b.max_batch_size, "max_batch_size"
+        if matches(self.parts, _PER_TARGET):
+            return b.max_seq_length * MAX_TARGET_COLUMNS, f"{MAX_TARGET_COLUMNS} x max_seq_length"
         if matches(self.parts, _PER_TOKEN):
             return b.max_seq_length, "max_seq_length"
         return None

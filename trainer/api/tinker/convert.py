@@ -17,6 +17,7 @@ from trainer.api.tinker.convert_inputs import (
     flag,
     integer,
     number,
+    table_shape,
     tensor_values,
     token_ids,
     validated,
@@ -30,6 +31,7 @@ from trainer.contract.rules import (
     check_inputs,
     check_last_n,
     check_num_samples,
+    check_same_columns,
     check_topk,
 )
 from trainer.contract.specs import SamplingParams
@@ -179,6 +181,10 @@ def forward_backward_request(
         needs = replace(needs, required=tuple(n for n in needs.required if n not in built))
     reads = _Reads(needs, tinker, vocab_size)
     datums = [_datum(d, f"{FBI}.data[{i}]", reads) for i, d in enumerate(data)]
+    targets = [inputs["target_tokens"] for _, inputs in datums]
+    columns = [int(t.shape[1]) if t.ndim == 2 else None for t in targets]
+    with as_tinker():
+        check_same_columns(columns, lambda i: f"{FBI}.data[{i}].loss_fn_inputs.target_tokens")
     provenance = (
         [_provenance(d, f"{FBI}.data[{i}]", datums[i]) for i, d in enumerate(data)]
         if tinker.provenance
@@ -188,10 +194,7 @@ def forward_backward_request(
         _gspo_inputs(datums)
     samples = []
     for tokens, inputs in datums:
-        loss_fn_inputs = {
-            name: {"data": values, "dtype": "int64" if name in TOKEN_INPUTS else "float32"}
-            for name, values in inputs.items()
-        }
+        loss_fn_inputs = {name: _body_tensor(name, values) for name, values in inputs.items()}
         samples.append(
             {
                 "model_input": {"chunks": [{"encoded_text": {"tokens": tokens}}]},
@@ -226,6 +229,15 @@ def _provenance(
     )
 
 
+def _body_tensor(name: str, values: np.ndarray) -> dict[str, Any]:
+    """One input of our body: flat data, with `shape` for `[T, K]` soft targets."""
+    dtype = "int64" if name in TOKEN_INPUTS else "float32"
+    tensor: dict[str, Any] = {"data": values.reshape(-1), "dtype": dtype}
+    if values.ndim == 2:
+        tensor["shape"] = list(values.shape)
+    return tensor
+
+
 _DATUM_KEYS = {"model_input", "loss_fn_inputs", "model_input_spans", "loss_fn_input_spans"}
 
 
@@ -238,15 +250,18 @@ class _Reads(NamedTuple):
 
 
 class _Parsed(NamedTuple):
-    """A parsed Tinker tensor as the rules read it: float inputs go out as float32."""
+    """A parsed Tinker tensor as the rules read it: float inputs go out as float32; `shape`
+    is `[T, K]` for soft targets (flat `data`), else None."""
 
     dtype: str
     data: np.ndarray
+    shape: list[int] | None = None
 
 
 def _datum(datum: Any, where: str, call: _Reads) -> tuple[list[int], dict[str, np.ndarray]]:
-    """One datum's tokens and its loss inputs, as arrays (int64 ids, float64 the rest), checked
-    by the engine's rules (`check_inputs`) under the datum's Tinker path."""
+    """One datum's tokens and its loss inputs, as arrays (int64 ids, float64 the rest; `[T]`,
+    or `[T, K]` for cross entropy's soft targets), checked by the engine's rules
+    (`check_inputs`) under the datum's Tinker path."""
     needs, tinker = call.needs, call.tinker
     if not isinstance(datum, Mapping):
         raise TinkerInputError(where, "must be an object")
@@ -270,11 +285,17 @@ def _datum(datum: Any, where: str, call: _Reads) -> tuple[list[int], dict[str, n
     for name in reads:
         if name in raw:
             inputs[name] = _parsed(name, raw[name], f"{where}.loss_fn_inputs.{name}")
-        elif tinker.ones and name in needs.required:
-            inputs[name] = _Parsed("float32", np.ones(len(tokens)))
+        elif tinker.ones and name in needs.required:  # shaped as the targets
+            target = inputs.get("target_tokens")
+            shape = None if target is None else target.shape
+            count = len(tokens) if shape is None else shape[0] * shape[1]
+            inputs[name] = _Parsed("float32", np.ones(count), shape)
     with as_tinker():
         targets = check_inputs(where, len(tokens), inputs, needs, call.vocab_size)
-    values = {name: parsed.data for name, parsed in inputs.items()}
+    values = {
+        name: parsed.data.reshape(targets.shape) if parsed.shape else parsed.data
+        for name, parsed in inputs.items()
+    }
     return tokens, {**values, "target_tokens": targets}
 
 
@@ -282,11 +303,12 @@ def _parsed(name: str, tensor: Any, field: str) -> _Parsed:
     """A Tinker tensor parsed: token ids as int64 (in the dtype sent, which the rules check),
     any other input as float64 values, sent on as float32."""
     values = tensor_values(tensor, field)
+    shape = table_shape(tensor.get("shape"), values.size)
     if name not in TOKEN_INPUTS:
-        return _Parsed("float32", values)
+        return _Parsed("float32", values, shape)
     if np.any(values != np.trunc(values)):
         raise TinkerInputError(f"{field}.dtype", "token ids must be int64")
-    return _Parsed(str(tensor.get("dtype")), values.astype(np.int64))
+    return _Parsed(str(tensor.get("dtype")), values.astype(np.int64), shape)
 
 
 def _gspo_inputs(datums: list[tuple[list[int], dict[str, np.ndarray]]]) -> None:
@@ -326,12 +348,16 @@ def forward_backward_output(result: dict[str, Any], loss_fn: str) -> dict[str, A
     if "loss_fn_outputs" not in result:
         raise ValueError("the result has no loss_fn_outputs (read its payload first)")
     outputs = [
-        {"logprobs": np.asarray(out["tensors"]["logprobs"]["data"], dtype=np.float32)}
-        for out in result["loss_fn_outputs"]
+        {"logprobs": _logprobs(out["tensors"]["logprobs"])} for out in result["loss_fn_outputs"]
     ]
     metrics = {_metric_name(k): float(v) for k, v in (result.get("metrics") or {}).items()}
     metrics["loss:sum"] = float(result["loss"])
     return {"loss_fn_output_type": "ArrayRecord", "loss_fn_outputs": outputs, "metrics": metrics}
+
+
+def _logprobs(tensor: dict[str, Any]) -> np.ndarray:
+    """A datum's logprobs: `[N]`, or `[N, K]` for soft targets (one per target token)."""
+    return np.asarray(tensor["data"], dtype=np.float32).reshape(tensor.get("shape") or [-1])
 
 
 # --------------------------------------------------------------------------------------------

@@ -112,7 +112,8 @@ def token_ids(model_input: Any, field: str, vocab_size: int | None = None) -> li
 
 def tensor_values(tensor: Any, field: str) -> np.ndarray:
     """A Tinker `TensorData` (`{"data", "dtype", "shape"}`) as a 1-D float64 array of finite
-    values; how many there must be is a rule (`trainer.contract.rules.check_inputs`)."""
+    values (row-major for a `[T, K]` shape: `table_shape`); how many there must be,
+    and which inputs may be `[T, K]`, are rules (`trainer.contract.rules.check_inputs`)."""
     if not isinstance(tensor, Mapping) or "data" not in tensor:
         raise TinkerInputError(field, "must be a tensor object with data and dtype")
     if tensor.get("sparse_crow_indices") is not None or tensor.get("sparse_col_indices"):
@@ -127,11 +128,23 @@ def tensor_values(tensor: Any, field: str) -> np.ndarray:
         raise TinkerInputError(f"{field}.data", "must be a flat list of numbers") from None
     if values.ndim != 1:
         raise TinkerInputError(f"{field}.data", "must be a flat list of numbers")
-    if shape is not None and (not isinstance(shape, list) or shape != [values.size]):
+    if shape is not None and shape != [values.size] and table_shape(shape, values.size) is None:
         raise TinkerInputError(
             f"{field}.shape",
-            f"must be [{values.size}] (one value per token, 1-D), got {str(shape)[:100]}",
+            f"must be [{values.size}] (one value per token, 1-D) or [T, K] with T·K = "
+            f"{values.size} (soft targets), got {str(shape)[:100]}",
         )
     with as_tinker():
         check_finite(values, f"{field}.data")
     return values
+
+
+def table_shape(shape: Any, size: int) -> list[int] | None:
+    """`[T, K]` when a tensor's `shape` is two non-negative integers whose product is its
+    `size` (soft targets, row-major), else None."""
+    if not isinstance(shape, list) or len(shape) != 2:
+        return None
+    if not all(isinstance(n, int | np.integer) and not isinstance(n, bool) for n in shape):
+        return None
+    rows, columns = int(shape[0]), int(shape[1])
+    return [rows, columns] if min(rows, columns) >= 0 and rows * columns == size else None

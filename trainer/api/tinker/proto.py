@@ -24,6 +24,7 @@ from trainer.api.tinker.protowire import (
     read_message,
     write_message,
 )
+from trainer.contract.losses import MAX_TARGET_COLUMNS
 from trainer.serving.jsonparse import BodyError, Bounds
 
 __all__ = [
@@ -172,10 +173,15 @@ class _Limits:
         }
         return Caps(fields=b.max_items, counts=counts)
 
-    def values(self, count: int, path: str) -> None:
-        """A tensor's element count, before it is allocated: at most one per token."""
-        if self.bounds is not None and count > self.bounds.max_seq_length:
-            raise ProtoError(path, f"{count} values exceed max_seq_length")
+    def values(self, count: int, path: str, shape: list[int]) -> None:
+        """A tensor's element count, before it is allocated: at most one per token, or
+        `MAX_TARGET_COLUMNS` per token for a 2-D (soft targets) shape."""
+        if self.bounds is None:
+            return
+        per_token = MAX_TARGET_COLUMNS if len(shape) == 2 else 1
+        if count > self.bounds.max_seq_length * per_token:
+            limit = "max_seq_length" if per_token == 1 else f"{per_token} x max_seq_length"
+            raise ProtoError(path, f"{count} values exceed {limit}")
 
     def datum_tokens(self, count: int, where: str) -> None:
         b = self.bounds
@@ -205,7 +211,7 @@ def _tensor(msg: dict[str, Any], path: str, limits: _Limits) -> dict[str, Any]:
     csr = msg["sparse_csr"]
     if csr is None:
         dense = msg["dense"] or memoryview(b"")
-        limits.values(len(dense) // np.dtype(wire_dtype).itemsize, f"{path}.dense")
+        limits.values(len(dense) // np.dtype(wire_dtype).itemsize, f"{path}.dense", shape)
         values = _array(dense, wire_dtype, f"{path}.dense")
         if size is not None and values.size != size:
             raise ProtoError(f"{path}.dense", f"{values.size} values for shape {shape}")
@@ -213,7 +219,7 @@ def _tensor(msg: dict[str, Any], path: str, limits: _Limits) -> dict[str, Any]:
         if len(shape) != 2:
             raise ProtoError(f"{path}.shape", f"a sparse CSR tensor needs a 2-D shape, got {shape}")
         assert size is not None
-        limits.values(size, f"{path}.shape")
+        limits.values(size, f"{path}.shape", shape)
         values = _densify(csr, shape, wire_dtype, f"{path}.sparse_csr", limits)
     if msg["dtype"] == DTYPE_BFLOAT16:
         values = (values.astype(np.uint32) << 16).view(np.float32)

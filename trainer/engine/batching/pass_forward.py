@@ -147,13 +147,18 @@ def joint_batch(
     """All items' rows in one micro-batch, item after item, and each item's `[start, end)`
     over the flattened positions of the decoder's input (`[1, Σ tokens]` when `varlen`, else
     the padded `[rows, width]`). Sample indices are made unique across items, in item order,
-    so the kept positions come item after item, each item's in its own solo order."""
+    so the kept positions come item after item, each item's in its own solo order. The batch
+    places positions only: each item's head reads its own targets (`_joint`), so here every
+    sample carries one column of them ([T, K] soft targets and [T] ones side by side)."""
     rows: list[list[PreparedSample]] = []
     spans: list[tuple[int, int]] = []  # row range per item
     offset = 0
     for item in items:
         samples = item.local or [_masked_token()]
-        relabeled = [replace(s, index=offset + s.index) for s in samples]
+        relabeled = [
+            replace(s, index=offset + s.index, targets_T=s.targets_T.reshape(s.length, -1)[:, 0])
+            for s in samples
+        ]
         offset += 1 + max(s.index for s in samples)
         first = len(rows)
         rows.extend(pack_rows(relabeled, row_tokens))

@@ -15,7 +15,7 @@ import torch
 
 from trainer.compute.batch import LossNorm, MicroBatch, PreparedSample, loss_norm
 from trainer.compute.losses import LossInputs, LossOutputs
-from trainer.compute.rounds import Sums, new_sums
+from trainer.compute.rounds import Outputs, Sums, new_sums
 
 if TYPE_CHECKING:
     from trainer.compute.placement import Communicator, Placement
@@ -130,7 +130,7 @@ class WorkItem:
     out: LossOutputs | None = None  # this round's loss, when finite
     failure: list[str] | None = None  # the call's first failure: [code, message]
     sums: Sums = field(default_factory=new_sums)
-    outputs: dict[int, list[float]] = field(default_factory=dict)
+    outputs: Outputs = field(default_factory=dict)
     loss: float = 0.0
     rng: torch.Generator | None = None  # the session's CPU stream, for a shared pass's dropout
     reports: list[dict[str, Any]] = field(default_factory=list)  # every rank's, after the pass
