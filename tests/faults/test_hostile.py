@@ -192,9 +192,10 @@ def test_ids_never_leave_the_storage_directory(limited: Any, tmp_path: Path) -> 
                         path = path.replace(f"{{{other}}}", bad if other == name else sid)
                     response = raw.request(method, path, content=b"{}")
                     sent = response.request.url.raw_path.decode().split("?")[0]
-                    if sent != path and response.status_code == 200:
+                    if sent != path:
                         # the client resolved a literal `..` segment itself: another route
-                        # (`/api/v1/training_runs/../checkpoints` is `/api/v1/checkpoints`)
+                        # (`/api/v1/training_runs/../checkpoints` is `/api/v1/checkpoints`),
+                        # whose answer is that route's own
                         assert "7f3a-outside-storage" not in response.text
                         continue
                     assert response.status_code in (400, 403, 404, 405), (path, response.text)
