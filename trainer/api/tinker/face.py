@@ -108,7 +108,7 @@ async def not_served(route: str) -> None:
             code="not_implemented",
             param="route",
         )
-    if route.endswith(("/publish", "/ttl")):
+    if route.endswith("/publish"):  # (a checkpoint's /ttl is served: routes_runs)
         raise ApiError(
             NOT_SERVED_STATUS,
             f"route {PREFIX}/{route}: not served by this worker (checkpoints are private to it)",
