@@ -41,12 +41,24 @@ def _serve_args(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     p.add_argument("--token-file", type=Path, help="file with the bearer token")
     p.add_argument(
+        "--keys",
+        type=Path,
+        help="TOML file of API keys (per user, by sha256; admins, quotas); re-read on SIGHUP",
+    )
+    p.add_argument(
         "--no-auth", action="store_true", default=None, help="no token (loopback hosts only)"
     )
     p.add_argument("--resource", type=Path, help="JSON model resource to create at start-up")
     p.add_argument("--session", type=Path, help="JSON session to create once it is READY")
     p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--public-url", help="base URL for signed download/upload URLs")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="also serve /metrics without a key on this port (default: off; admin key on the "
+        "main port)",
+    )
+    p.add_argument("--metrics-host", help="interface of --metrics-port (default 127.0.0.1)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_option_flags(p)
     p.set_defaults(run=_run_serve)
@@ -64,11 +76,14 @@ def serve_config(args: argparse.Namespace) -> Any:
         "port": args.port,
         "storage": args.storage,
         "token_file": args.token_file,
+        "keys_file": args.keys,
         "no_auth": args.no_auth,
         "resource_file": args.resource,
         "session_file": args.session,
         "device": args.device,
         "public_url": args.public_url,
+        "metrics_port": args.metrics_port,
+        "metrics_host": args.metrics_host,
     }
     data.update({k: v for k, v in overrides.items() if v is not None})
     data["model"] = overlay_models(list(data.get("model", [])), args.model)

@@ -20,6 +20,7 @@ import pytest
 import uvicorn
 
 from trainer.api.app import create_app
+from trainer.api.keys import KeyRing
 from trainer.serving.config import ServeConfig
 from trainer.serving.worker import Worker
 from trainer.spawn import free_port
@@ -46,8 +47,13 @@ class LiveServer:
 
 @contextlib.contextmanager
 def serve_in_thread(
-    storage: Path, models: dict[str, Path], token: str | None = TOKEN, **settings: Any
+    storage: Path,
+    models: dict[str, Path],
+    token: str | None = TOKEN,
+    keys: KeyRing | None = None,
+    **settings: Any,
 ) -> Iterator[LiveServer]:
+    """`keys`: the users of a keys file (then `token` is not a key)."""
     port = free_port()
     config = ServeConfig.model_validate(
         {
@@ -61,7 +67,7 @@ def serve_in_thread(
         }
     )
     worker = Worker(config)
-    app = create_app(worker, token)
+    app = create_app(worker, token, keys)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -120,6 +120,38 @@ def test_each_knob_from_toml_and_from_the_command_line(
     assert getattr(_config(tmp_path, table), section).model_dump(exclude={key}) == others
 
 
+# top-level keys of the audit trail and the metrics port: (TOML value, flag or None if none)
+TOP_LEVEL: dict[str, tuple[Any, list[str] | None]] = {
+    "audit_max_bytes": (1 << 20, None),
+    "audit_keep": (9, None),
+    "metrics_port": (9100, ["--metrics-port", "9200"]),
+    "metrics_host": ("::1", ["--metrics-host", "0.0.0.0"]),
+}
+
+
+@pytest.mark.parametrize("key", list(TOP_LEVEL))
+def test_audit_and_metrics_keys(tmp_path: Path, key: str) -> None:
+    in_toml, flags = TOP_LEVEL[key]
+    default = ServeConfig.model_fields[key].default
+    assert in_toml != default
+    assert getattr(_config(tmp_path, ""), key) == default
+    assert getattr(_config(tmp_path, f"{key} = {_toml_value(in_toml)}\n"), key) == in_toml
+    if flags is not None:
+        on_cli = type(in_toml)(flags[1])
+        got = _config(tmp_path, f"{key} = {_toml_value(in_toml)}\n", *flags)
+        assert getattr(got, key) == on_cli != in_toml
+    example = load_toml(EXAMPLE)
+    assert key in example or f"# {key} =" in EXAMPLE.read_text()
+
+
+@pytest.mark.parametrize(
+    "toml", ["audit_max_bytes = 10\n", "audit_keep = 0\n", "metrics_port = 70000\n"]
+)
+def test_bad_audit_and_metrics_keys_name_the_key(tmp_path: Path, toml: str) -> None:
+    with pytest.raises(ValueError, match=toml.split(" ")[0]):
+        _config(tmp_path, toml)
+
+
 def test_legacy_environment_variables_fill_unset_keys(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -139,3 +139,48 @@ def test_sdk_example_script(server: LiveServer) -> None:
     assert done.returncode == 0, done.stderr.decode()
     out = done.stdout.decode()
     assert "step 2 | loss" in out and "adapter_model.safetensors" in out
+
+
+def test_sighup_rereads_the_keys_file(tmp_path: Path, tiny_qwen_dir: Path) -> None:
+    """`trainer serve --keys FILE`: a key removed from the file is refused once the process
+    gets SIGHUP, the other keys still work; a malformed file fails the start naming its line."""
+    import hashlib
+    import secrets
+    import time
+
+    keys = {name: secrets.token_urlsafe(16) for name in ("alice", "bob")}
+
+    def digest(name: str) -> str:
+        return hashlib.sha256(keys[name].encode()).hexdigest()
+
+    def write(*names: str) -> None:
+        (tmp_path / "keys.toml").write_text(
+            "".join(f'[[key]]\nuser = "{n}"\nsha256 = "{digest(n)}"\n' for n in names)
+        )
+
+    (tmp_path / "bad.toml").write_text('[[key]]\nuser = "a"\nsha256 = "zz"\n')
+    args = _serve_args(
+        tmp_path / "s", tiny_qwen_dir, free_port(), "--keys", str(tmp_path / "bad.toml")
+    )
+    bad = subprocess.run(args, env=_env(None), cwd=REPO, capture_output=True, timeout=60)
+    assert bad.returncode == 2 and b"line 1" in bad.stderr and b"sha256" in bad.stderr
+    write("alice", "bob")
+    args = _serve_args(
+        tmp_path / "s", tiny_qwen_dir, free_port(), "--keys", str(tmp_path / "keys.toml")
+    )
+    with worker_process(args) as (proc, _):
+        base = args[args.index("--port") + 1]
+        url = f"http://127.0.0.1:{base}/v1/rl/supported-models"
+
+        def status(name: str) -> int:
+            headers = {"Authorization": f"Bearer {keys[name]}"}
+            return httpx.get(url, headers=headers, timeout=30).status_code
+
+        assert status("alice") == 200 and status("bob") == 200
+        write("alice")
+        proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 30
+        while status("bob") != 401:
+            assert time.monotonic() < deadline, "bob's key still works after SIGHUP"
+            time.sleep(0.1)
+        assert status("alice") == 200 and proc.poll() is None

@@ -235,13 +235,16 @@ def test_keys_refused_with_the_field(moe_dir, tmp_path) -> None:
     seq = _sampled(a, n=1)[0]
     field = "samples[0].routed_experts_key"
 
-    def refused(session, s, why: str) -> None:
+    def refused(session, s, why: str) -> str:
         with pytest.raises(OperationError) as err:
             session.forward_backward(CE, [s])
         assert err.value.code == "INVALID_INPUT" and field in str(err.value), why
+        return str(err.value)
 
-    refused(b, _probe(seq, seq["key"]), "another session's key")
-    refused(a, _probe(seq, "re-" + "0" * 32), "unknown")
+    # another session's key reads exactly as one never issued (nothing tells it exists)
+    foreign = refused(b, _probe(seq, seq["key"]), "another session's key")
+    unknown = refused(a, _probe(seq, "re-" + "0" * 32), "unknown")
+    assert foreign == unknown
     refused(a, _probe(seq, "../../etc/passwd"), "malformed")
     bad = _probe(seq, seq["key"])
     bad.model_input.chunks[0].encoded_text.tokens[2] += 1

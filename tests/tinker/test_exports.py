@@ -19,6 +19,7 @@ from tests.api.conftest import LiveServer
 from tests.faults.procs import new_resource
 from tests.tinker import tinker_http as th
 from trainer.api.tinker import paths
+from trainer.serving.tenants import LOCAL
 
 FILES = ["adapter_config.json", "adapter_model.safetensors"]
 
@@ -56,7 +57,7 @@ def test_an_encrypted_export_is_the_plain_one_sealed(
     assert not any("lm_head" in key for key in tensors)
     # on the worker's disk: the ciphertext, the manifest and state.json (no weights), nothing
     # staged elsewhere
-    record = paths.resolve(live.app.state.tinker, sealed_path, "path")
+    record = paths.resolve(live.app.state.tinker, sealed_path, "path", LOCAL)
     on_disk = sorted(p.relative_to(record.path).as_posix() for p in record.path.rglob("*.*"))
     assert on_disk == [*(f"adapter/{name}.age" for name in FILES), "manifest.json", "state.json"]
     assert not any(live.worker.checkpoints.tmp.iterdir())
@@ -81,7 +82,7 @@ def test_the_worker_refuses_to_read_an_encrypted_export(
         assert response.status_code == 400, (route, response.text)
         error = response.json()["error"]
         assert error["param"] == field and "age-encrypted export" in error["message"], error
-    engine_id = paths.resolve(live.app.state.tinker, path, "path").id
+    engine_id = paths.resolve(live.app.state.tinker, path, "path", LOCAL).id
     with live.client() as rl:
         resource = new_resource(rl, th.BASE)
         body = {"model_resources_id": resource, "resume_from_checkpoint_id": engine_id}
@@ -120,7 +121,7 @@ def test_deleting_an_encrypted_export_deletes_its_files(
     recipient = str(pyrage.x25519.Identity.generate().to_public())
     bridge, store = live.app.state.tinker, live.worker.checkpoints
     kept, gone = export(http, model, "kept"), export(http, model, "gone", [recipient])
-    records = {p: paths.resolve(bridge, p, "path") for p in (kept, gone)}
+    records = {p: paths.resolve(bridge, p, "path", LOCAL) for p in (kept, gone)}
     for path in (kept, gone):
         run, _, name = paths.parse(path, "path")
         response = http.delete(f"/training_runs/{run}/checkpoints/external_weights/{name}")

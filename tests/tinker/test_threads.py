@@ -170,7 +170,9 @@ class FakeEngine:
     def resource_for(self, _: str) -> str:
         return "mr_fake"
 
-    def open_session(self, resource_id: str, spec: dict[str, Any], field: str) -> str:
+    def open_session(
+        self, resource_id: str, spec: dict[str, Any], field: str, who: Any, internal: bool = False
+    ) -> str:
         session_id = f"ts_{uuid.uuid4().hex}"
         self.running.add(session_id)
         return session_id

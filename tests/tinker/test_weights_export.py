@@ -31,6 +31,7 @@ from trainer.api.tinker import paths
 from trainer.api.tinker.records import TinkerCheckpoint
 from trainer.checkpoint.export import is_encrypted
 from trainer.checkpoint.store import INFERENCE
+from trainer.serving.tenants import LOCAL
 
 TIED = {SDK_MODEL: True, UNTIED_MODEL: False}
 FILES = ["adapter_config.json", "adapter_model.safetensors"]
@@ -62,7 +63,7 @@ def exported(
     out.update(base_model=name, identity=identity, dir=out_dir)
     # our exports of the same weights, through the RL face's download of the sampler
     # checkpoint: the MERGED variant and the PEFT adapter
-    record = paths.resolve(tinker_server.app.state.tinker, out["sampler"], "path")
+    record = paths.resolve(tinker_server.app.state.tinker, out["sampler"], "path", LOCAL)
     out["ours_merged"] = fetch_variant(tinker_server, record.id, "MERGED", out_dir / "ours")
     out["ours_adapter"] = fetch_variant(tinker_server, record.id, "ADAPTER", out_dir / "peft")
     return out
@@ -103,7 +104,7 @@ def test_encrypted_exports_leave_no_plaintext(
 ) -> None:
     bridge = tinker_server.app.state.tinker
     store = tinker_server.worker.checkpoints
-    record = paths.resolve(bridge, exported["sealed"], "path")
+    record = paths.resolve(bridge, exported["sealed"], "path", LOCAL)
     files = sorted(p.relative_to(record.path).as_posix() for p in record.path.rglob("*"))
     assert files == [
         "adapter",

@@ -1,7 +1,9 @@
 """The FastAPI application: routers under `/v1`, auth, error bodies, lifespan.
 
 `/v1/rl/...` routes need the bearer token; the signed file/payload routes carry their own
-credential in the query string; `/healthz` is open for liveness probes.
+credential in the query string; `/healthz` is open for liveness probes. `/v1/rl/audit` and
+`/metrics` answer admin keys only (`trainer.api.audit`, `trainer.api.metrics`); every mutating
+call is a line of the audit trail (`AuditMiddleware`).
 """
 
 from __future__ import annotations
@@ -17,11 +19,17 @@ from fastapi import Depends, FastAPI
 from fastapi.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from trainer.api import audit
+from trainer.api import metrics as metrics_routes
+from trainer.api.audit import AuditMiddleware
 from trainer.api.auth import BearerAuth
+from trainer.api.keys import KeyRing
+from trainer.api.metrics import Metrics
 from trainer.api.rl import routes_metrics, routes_ops, routes_resources, routes_sessions
 from trainer.api.signing import UrlSigner
 from trainer.api.tinker.bridge import TinkerBridge
 from trainer.api.tinker.face import install as install_tinker
+from trainer.serving.audit_log import AuditLog
 from trainer.serving.errors import ApiError, install_handlers
 from trainer.serving.ids import check_path_ids
 from trainer.serving.worker import Worker
@@ -135,17 +143,27 @@ def _drain(worker: Worker, tinker: TinkerBridge) -> None:
         tinker.close()
 
 
-def create_app(worker: Worker, token: str | None) -> FastAPI:
-    """`token=None` serves without auth (the CLI allows it on loopback hosts only)."""
+def create_app(worker: Worker, token: str | None, keys: KeyRing | None = None) -> FastAPI:
+    """The worker's HTTP app. `keys` (a keys file's users) wins over the single `token` (one
+    user, `local`, an admin); neither serves without auth (the CLI allows that on loopback
+    hosts only)."""
+    ring = keys if keys is not None else KeyRing(token=token)
+
+    metrics = Metrics(worker)
+    config = worker.config
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if config.metrics_port:
+            port = metrics.serve_port(config.metrics_host, config.metrics_port)
+            log.info("metrics without a key on http://%s:%d/metrics", config.metrics_host, port)
         sweeper = asyncio.create_task(_sweep_forever(worker, tinker))
         try:
             yield
         finally:
             sweeper.cancel()
             await run_in_threadpool(_drain, worker, tinker)
+            metrics.close()
 
     # No open /openapi.json or /docs: the schema is served at /v1/openapi.json behind the token.
     app = FastAPI(
@@ -159,16 +177,23 @@ def create_app(worker: Worker, token: str | None) -> FastAPI:
     app.state.worker = worker
     app.state.signer = UrlSigner.for_storage(worker.config.storage, worker.config.signed_url_ttl_s)
     install_handlers(app)
+    app.state.metrics = metrics
+    app.state.audit = AuditLog(config.storage, config.audit_max_bytes, config.audit_keep)
+    app.add_middleware(AuditMiddleware, log=app.state.audit, fastapi_app=app)  # innermost
     app.add_middleware(ControlBodyLimit)
     app.add_middleware(DoubleVersionPrefix)
-    auth = [Depends(BearerAuth(token)), Depends(check_path_ids)]
+    app.state.keys = ring
+    worker.principals = ring.principal  # the quotas of each operation's owner
+    auth = [Depends(BearerAuth(ring)), Depends(check_path_ids)]
     for module in (routes_resources, routes_sessions, routes_ops, routes_metrics):
         app.include_router(module.router, prefix="/v1", dependencies=auth)
     files = [Depends(check_path_ids)]
     app.include_router(routes_resources.files_router, dependencies=files)
     app.include_router(routes_sessions.files_router, dependencies=files)
 
-    tinker = install_tinker(app, worker, token)
+    tinker = install_tinker(app, worker, ring)
+    app.include_router(audit.router)  # admin keys only: both answer 404 to anyone else
+    app.include_router(metrics_routes.router)
 
     @app.get("/v1/openapi.json", include_in_schema=False, dependencies=auth)
     async def openapi() -> dict[str, Any]:

@@ -29,6 +29,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from trainer.api.app import create_app
+from trainer.api.keys import KeyRing, KeysFileError
 from trainer.api.signing import RedactSignatures
 from trainer.serving.config import ServeConfig, is_loopback
 from trainer.serving.errors import ApiError
@@ -67,6 +68,19 @@ def resolve_token(config: ServeConfig, environ: dict[str, str] | None = None) ->
     if not is_loopback(config.host):
         raise StartupError(f"--no-auth is only allowed on a loopback host, not {config.host!r}")
     return None
+
+
+def resolve_keys(config: ServeConfig, environ: dict[str, str] | None = None) -> KeyRing:
+    """The keys in force: `--keys FILE` (a malformed file stops the start, naming the line),
+    else the single token of `resolve_token`."""
+    if config.keys_file is None:
+        return KeyRing(token=resolve_token(config, environ))
+    if not config.keys_file.is_file():
+        raise StartupError(f"--keys {config.keys_file}: no such file")
+    try:
+        return KeyRing(config.keys_file)
+    except KeysFileError as exc:
+        raise StartupError(f"--keys {exc}") from None
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
@@ -135,18 +149,20 @@ class _Server(uvicorn.Server):
 def serve(config: ServeConfig, log_level: str = "info", loader: Loader | None = None) -> int:
     """`loader` builds the engine of each resource (default: one process, `load_resource`;
     under torchrun: `trainer.distributed.resource_loader`, rank 0's SPMD proxies)."""
-    token = resolve_token(config)
+    keys = resolve_keys(config)
     worker = Worker(config, loader=loader)
     freeze_long_lived()
     preload(worker, config.resource_file, config.session_file)
-    app = create_app(worker, token)
+    app = create_app(worker, None, keys)
     log.info(
         "serving %d model(s) on http://%s:%d (auth %s)",
         len(config.models),
         config.host,
         config.port,
-        "on" if token else "off",
+        "off" if keys.open else f"{len(keys.users())} user(s)",
     )
+    if config.keys_file is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGHUP, lambda *_: keys.reload())
     server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level))
     logging.getLogger("uvicorn.access").addFilter(RedactSignatures())
     server.run()

@@ -62,7 +62,7 @@ def check_ref(store: Any, ref: str, lora: bool, base_model: str, base_config: An
         )
     record = store.get(ref)
     if record is None:
-        raise RefError(f"no checkpoint {_shown(ref)} on this worker")
+        raise RefError(f"no checkpoint {shown_ref(ref)} on this worker")
     if record.type != INFERENCE:
         raise RefError(
             f"checkpoint {ref} is a training checkpoint; name an inference checkpoint "
@@ -86,7 +86,7 @@ def merged_dir(store: Any, ref: str, base_model: str, model_config: dict[str, An
     try:
         record, _ = store.open(ref)
     except KeyError:
-        raise RefError(f"no checkpoint {_shown(ref)} on this worker") from None
+        raise RefError(f"no checkpoint {shown_ref(ref)} on this worker") from None
     except CheckpointCorrupt as exc:
         raise RefError(str(exc)) from None
     if record.type != INFERENCE:
@@ -165,7 +165,7 @@ def _complete(config: dict[str, Any]) -> dict[str, Any]:
     return full
 
 
-def _shown(ref: str) -> str:
+def shown_ref(ref: str) -> str:
     return repr(ref) if len(ref) <= 200 else f"{ref[:200]!r}... ({len(ref)} characters)"
 
 

@@ -313,13 +313,15 @@ class CheckpointStore:
         after: str | None = None,
         limit: int = 20,
         oldest_first: bool = False,
+        session_ids: builtins.list[str] | None = None,
     ) -> builtins.list[CheckpointRecord]:
         """Newest first: `created_at` descending, ties broken by id (descending too).
 
         `after` is the id of the last checkpoint of the previous page; the page continues
         strictly past it in that order (a keyset on (created_at, id), not an offset), so
         checkpoints created between pages neither shift nor repeat items. An unknown `after`
-        raises KeyError. `oldest_first` reverses the order (a session's own checkpoints)."""
+        raises KeyError. `oldest_first` reverses the order (a session's own checkpoints);
+        `session_ids` keeps the checkpoints of those sessions only."""
         clauses: builtins.list[str] = []
         args: builtins.list[Any] = []
         for column, value in (
@@ -330,6 +332,11 @@ class CheckpointStore:
             if value is not None:
                 clauses.append(f"{column} = ?")
                 args.append(value)
+        if session_ids is not None:  # one of these sessions' (a user's: its sessions)
+            if not session_ids:
+                return []
+            clauses.append(f"session_id IN ({', '.join('?' for _ in session_ids)})")
+            args.extend(session_ids)
         direction = "ASC" if oldest_first else "DESC"
         with self._lock:
             if after is not None:

@@ -26,6 +26,7 @@ from trainer.contract.errors import OperationError, invalid
 from trainer.contract.options import ROUTES_MAX_BYTES, ROUTES_TTL_S
 
 KEY_PATTERN = re.compile(r"re-[0-9a-f]{32}")
+UNKNOWN_KEY = "unknown key (never issued to this session, or dropped by the byte budget)"
 FIELD = "routed_experts_key"
 
 
@@ -190,7 +191,7 @@ class ReplayKeys:
                 if entry is not None:
                     self._add(key, entry)
             if entry is None:
-                raise UnknownKey("unknown key (never issued, or dropped by the byte budget)")
+                raise UnknownKey(UNKNOWN_KEY)
             if now - entry.created > self.ttl_s:
                 self._drop(key)
                 raise UnknownKey(f"the key expired ({self.ttl_s:g} s after it was issued)")
@@ -277,8 +278,8 @@ def _resolve(
             owner, tokens, routes = store.get(key)
         except UnknownKey as exc:
             raise invalid(where, str(exc)) from None
-        if owner != session.id:
-            raise invalid(where, "the key belongs to another session")
+        if owner != session.id:  # reads as unknown: nothing tells another session's key exists
+            raise invalid(where, UNKNOWN_KEY)
         if tuple(routes.shape[1:]) != shape:
             raise invalid(where, "the key was recorded on another model")
         mine = prepared[i].tokens_T

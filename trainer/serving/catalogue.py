@@ -36,6 +36,14 @@ CREATE TABLE IF NOT EXISTS operations (
 );
 """
 
+# Columns added after the first release, to a table that lacks them (they default to NULL)
+_ADDED_COLUMNS = (
+    ("resources", "owner", "TEXT"),
+    ("resources", "shared", "INTEGER NOT NULL DEFAULT 0"),
+    ("sessions", "owner", "TEXT"),
+    ("sessions", "internal", "INTEGER NOT NULL DEFAULT 0"),
+)
+
 # Wire enum spellings (SDK `types/post_training`).
 RES_PENDING = "MODEL_RESOURCES_STATUS_PENDING"
 RES_CREATING = "MODEL_RESOURCES_STATUS_CREATING"
@@ -75,6 +83,8 @@ class ResourceRow:
     updated_at: float
     error: dict[str, Any] | None = None
     expires_at: float | None = None
+    owner: str | None = None  # the user who created it (None: before owners were recorded)
+    shared: bool = False  # other users may open sessions on it (a LoRA resource)
 
 
 @dataclass
@@ -91,6 +101,8 @@ class SessionRow:
     display_name: str | None = None
     lora_config: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
+    owner: str | None = None  # the user who opened it (None: before owners were recorded)
+    internal: bool = False  # opened by the worker itself (a Tinker sampler's): no quota
 
 
 @dataclass
@@ -108,6 +120,7 @@ class OperationRow:
 
 
 Row = TypeVar("Row", ResourceRow, SessionRow, OperationRow)
+_BOOL_FIELDS = {"shared", "internal"}
 _JSON_FIELDS = {"spec", "error", "metadata", "lora_config", "policy_state", "output"}
 _TABLES: dict[type[Any], str] = {
     ResourceRow: "resources",
@@ -121,14 +134,14 @@ def _encode(name: str, value: Any) -> Any:
 
 
 def _decode(cls: type[Row], record: sqlite3.Row) -> Row:
-    values = {
-        f.name: (
-            json.loads(record[f.name])
-            if f.name in _JSON_FIELDS and record[f.name] is not None
-            else record[f.name]
-        )
-        for f in fields(cls)
-    }
+    values: dict[str, Any] = {}
+    for f in fields(cls):
+        value = record[f.name]
+        if f.name in _JSON_FIELDS and value is not None:
+            value = json.loads(value)
+        elif f.name in _BOOL_FIELDS:
+            value = bool(value)
+        values[f.name] = value
     return cls(**values)
 
 
@@ -150,6 +163,10 @@ class Catalogue:
     def __init__(self, path: Path) -> None:
         self._lock = threading.Lock()
         self._db = open_db(path, _SCHEMA)
+        for table, column, kind in _ADDED_COLUMNS:  # a catalogue from before they existed
+            names = {row["name"] for row in self._db.execute(f"PRAGMA table_info({table})")}
+            if column not in names:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
     def close(self) -> None:
         with self._lock:
@@ -219,6 +236,27 @@ class Catalogue:
         return rows, len(records) > limit
 
     # -- specific queries ------------------------------------------------------------------
+
+    def session_ids_of(self, owner: str) -> list[str]:
+        """Every session `owner` opened (its checkpoints are the user's)."""
+        with self._lock:
+            rows = self._db.execute("SELECT id FROM sessions WHERE owner = ?", (owner,)).fetchall()
+        return [str(r[0]) for r in rows]
+
+    def count_live_owned(self, cls: type[ResourceRow] | type[SessionRow], owner: str) -> int:
+        """Live resources (or live sessions the worker did not open for itself) of `owner`."""
+        live: tuple[str, ...]
+        if cls is ResourceRow:
+            table, live, extra = "resources", RES_LIVE, ""
+        else:
+            table, live, extra = "sessions", SES_LIVE, " AND internal = 0"
+        marks = ", ".join("?" for _ in live)
+        with self._lock:
+            row = self._db.execute(
+                f"SELECT COUNT(*) FROM {table} WHERE owner = ? AND status IN ({marks}){extra}",
+                (owner, *live),
+            ).fetchone()
+        return int(row[0])
 
     def sessions_of(self, resource_id: str) -> list[SessionRow]:
         with self._lock:

@@ -28,6 +28,9 @@ class ServeConfig(StrictSpec):
         default_factory=list, alias="model", description="the catalogue"
     )
     token_file: Path | None = Field(default=None, description="file holding the bearer token")
+    keys_file: Path | None = Field(
+        default=None, description="TOML file of users' API keys (sha256), admins and quotas"
+    )
     no_auth: bool = Field(default=False, description="serve without a token (loopback only)")
     resource_file: Path | None = Field(default=None, description="JSON resource to preload")
     session_file: Path | None = Field(default=None, description="JSON session to preload")
@@ -65,6 +68,23 @@ class ServeConfig(StrictSpec):
     expiry_check_s: float = Field(default=5.0, gt=0, description="inactivity sweep period")
     shutdown_grace_s: float = Field(
         default=30.0, ge=0, description="on SIGTERM, how long the running operation may finish"
+    )
+    audit_max_bytes: int = Field(
+        default=16 << 20,
+        ge=1024,
+        description="size past which <storage>/audit.jsonl rotates to audit.jsonl.1",
+    )
+    audit_keep: int = Field(
+        default=4, ge=1, le=1000, description="rotated audit files kept (audit.jsonl.1 ... .N)"
+    )
+    metrics_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="serve /metrics without a key on this port too (0 or unset: off)",
+    )
+    metrics_host: str = Field(
+        default="127.0.0.1", description="interface of the unauthenticated metrics port"
     )
     resume_roots: list[Path] = Field(
         default_factory=list,

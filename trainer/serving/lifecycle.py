@@ -84,8 +84,16 @@ class ResourceManager:
         self.lock = threading.RLock()
 
     def create(
-        self, spec: ResourceSpec, models: list[ModelEntry], ident: str | None = None
+        self,
+        spec: ResourceSpec,
+        models: list[ModelEntry],
+        ident: str | None = None,
+        owner: str | None = None,
+        shared: bool = False,
+        check: Callable[[], None] | None = None,
     ) -> ResourceRow:
+        """A new resource's row, its model loading in a thread. `check` (a quota) runs under
+        the lock that also holds the count of live resources and the insert."""
         entry = next((m for m in models if m.name == spec.base_model), None)
         if entry is None:
             raise bad_request(
@@ -104,9 +112,13 @@ class ResourceManager:
             status=RES_PENDING,
             created_at=now,
             updated_at=now,
+            owner=owner,
+            shared=shared,
         )
         live = LiveResource(id=row.id, entry=entry, spec=spec)
         with self.lock:  # the count and the insert together: concurrent creates cannot overshoot
+            if check is not None:
+                check()
             if len(self.live) >= self.max_resources:
                 raise at_capacity(
                     f"cannot load {entry.name!r}: this worker already holds {len(self.live)} "

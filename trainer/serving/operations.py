@@ -37,7 +37,7 @@ from trainer.serving.requests import (
     check_optimizer_params,
     check_sample,
 )
-from trainer.serving.worker import EngineCall, Worker
+from trainer.serving.worker import CountedCall, EngineCall, Worker
 
 
 def _as_is(call: Callable[[], Any]) -> dict[str, Any]:
@@ -53,6 +53,19 @@ def _no_args(_: Any) -> dict[str, Any]:
     return {}
 
 
+def _no_tokens(_: Any) -> int:
+    return 0
+
+
+def _sample_tokens(samples: list[Any]) -> int:
+    return sum(sum(s.model_input.chunk_lengths()) for s in samples)
+
+
+def _fb_tokens(body: Any) -> int:
+    """A forward-backward trains on its samples' input tokens (none when forward-only)."""
+    return 0 if body.forward_only else _sample_tokens(body.samples)
+
+
 @dataclass(frozen=True)
 class Operation:
     kind: str  # the URL segment: `.../operations/<kind>`
@@ -64,15 +77,18 @@ class Operation:
     check: Callable[[Any, ModelEntry, int | None], None] | None = None
     # the resource's optimizer_config, as a 400 (params of the other optimizer)
     check_optimizer: Callable[[Any, dict[str, Any]], None] | None = None
+    # validated body -> the tokens it trains on (`trainer_tokens_trained_total`)
+    trained_tokens: Callable[[Any], int] = _no_tokens
 
-    def call(
-        self, body: BaseModel, extra: dict[str, Any] | None = None
-    ) -> Callable[[Any], dict[str, Any]]:
+    def call(self, body: BaseModel, extra: dict[str, Any] | None = None) -> CountedCall:
         """What the worker queues: the engine session in, the operation's wire JSON out.
         `extra`: engine arguments a face adds that the body does not carry (the Tinker face's
         adapter export, its `prompt_logprobs_last_n`)."""
         args = {**self.args(body), **(extra or {})}
-        return lambda session: self.wire(lambda: getattr(session, self.method)(**args))
+        return CountedCall(
+            lambda session: self.wire(lambda: getattr(session, self.method)(**args)),
+            self.trained_tokens(body),
+        )
 
 
 OPERATIONS: dict[str, Operation] = {
@@ -90,6 +106,7 @@ OPERATIONS: dict[str, Operation] = {
                 "logprobs_unmasked": b.logprobs_unmasked,
             },
             check=check_forward_backward,
+            trained_tokens=_fb_tokens,
         ),
         Operation(
             "custom-forward-backward",
@@ -98,6 +115,7 @@ OPERATIONS: dict[str, Operation] = {
             lambda b: {"samples": b.samples, "gradients": b.gradients},
             wire=_or_empty,
             check=check_custom,
+            trained_tokens=lambda b: _sample_tokens(b.samples),
         ),
         Operation(
             "optim-step",

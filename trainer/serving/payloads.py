@@ -48,6 +48,13 @@ class PayloadFiles:
             else:
                 stale.unlink(missing_ok=True)
 
+    def session_bytes(self, session_id: str) -> int:
+        """Bytes of the session's stored payloads."""
+        directory = self.root / session_id
+        if not directory.is_dir():
+            return 0
+        return sum(f.stat().st_size for f in directory.glob("*.json") if f.is_file())
+
     def new_id(self) -> str:
         return f"pl_{uuid.uuid4().hex}"
 

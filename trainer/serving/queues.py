@@ -34,6 +34,7 @@ from trainer.serving.catalogue import (
     OperationRow,
 )
 from trainer.serving.errors import is_disk_full
+from trainer.serving.users import LOCAL_USER
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,13 @@ class Job:
     kind: str
     call: Call
     done: Future[None] = field(default_factory=Future)
+    user: str = LOCAL_USER  # whose request queued it (`trainer.serving.users`)
+    trained_tokens: int = 0  # the tokens it trains on (a forward-backward's samples)
+
+
+# Called once an operation that ran has its outcome recorded: (job, "completed" | "failed",
+# seconds it ran, its output before any offload, or None when it failed).
+Listener = Callable[[Job, str, float, dict[str, Any] | None], None]
 
 
 class SessionQueue:
@@ -80,6 +88,12 @@ class SessionQueue:
     def busy(self) -> bool:
         with self._lock:
             return self.running is not None or bool(self._pending)
+
+    @property
+    def depth(self) -> int:
+        """Operations queued or running."""
+        with self._lock:
+            return len(self._pending) + (self.running is not None)
 
     def submit(self, job: Job) -> bool:
         """Queue `job`; False if the queue is closed (the session is stopping)."""
@@ -146,6 +160,7 @@ class OperationLog:
         self.closed = False
         self._unrecorded: dict[str, dict[str, Any]] = {}  # op id -> changes not yet written
         self._lock = threading.Lock()
+        self.listeners: list[Listener] = []  # the metrics (`trainer.api.metrics`)
 
     def create(self, session_id: str, kind: str, key: str, body_hash: str) -> OperationRow:
         now = time.time()
@@ -212,15 +227,24 @@ class OperationLog:
         self._record(job.op_id, status=OP_RUNNING)
         started = time.perf_counter()
         try:
-            output = postprocess(job.call())
+            raw = job.call()
+            output = postprocess(raw)
         except OperationError as exc:
             log.info("op %s %s failed: %s %s", job.kind, job.op_id, exc.code, exc.message)
             self.fail(job.op_id, exc.code, exc.message)
+            self._tell(job, "failed", started, None)
             return
         except Exception as exc:  # the engine's bugs become data, not a dead worker thread
             log.exception("op %s %s crashed", job.kind, job.op_id)
             self.fail(job.op_id, "INTERNAL_ERROR", f"internal error: {type(exc).__name__}: {exc}")
+            self._tell(job, "failed", started, None)
             return
         if not self.closed:
             self._record(job.op_id, status=OP_COMPLETED, output=output)
         log.info("op %s %s done in %.3fs", job.kind, job.op_id, time.perf_counter() - started)
+        self._tell(job, "completed", started, raw)
+
+    def _tell(self, job: Job, outcome: str, started: float, output: dict[str, Any] | None) -> None:
+        seconds = time.perf_counter() - started
+        for listener in self.listeners:
+            listener(job, outcome, seconds, output)

@@ -53,7 +53,10 @@ CheckpointVariant = Literal["CHECKPOINT_VARIANT_MERGED", "CHECKPOINT_VARIANT_ADA
 
 class CreateResourceBody(ResourceSpec):
     """POST /rl/model-resources (and estimate-cost); `optimizer_config` is checked by
-    `trainer.contract.optimizer.check_optimizer_config`."""
+    `trainer.contract.optimizer.check_optimizer_config`. `shared`: other users may open
+    sessions on it (a LoRA resource; its merged passes then carry several users' work)."""
+
+    shared: bool = False
 
 
 class ExtendExpiryBody(Spec):

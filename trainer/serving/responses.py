@@ -8,8 +8,8 @@ from typing import Any
 from trainer.checkpoint.store import INFERENCE, TRAINING, CheckpointRecord, ManifestFile
 from trainer.contract.specs import ModelEntry
 from trainer.serving.catalogue import OP_COMPLETED, OP_FAILED, OperationRow, ResourceRow, SessionRow
+from trainer.serving.tenants import LOCAL_USER
 
-CREATED_BY = "local"  # single-tenant: whoever holds the token
 GPU_TYPE = "B200-SXM"  # the only value the SDK's supported-models type admits; informative only
 
 
@@ -50,7 +50,7 @@ def resource_json(row: ResourceRow, details: dict[str, Any] | None = None) -> di
             "error": _error(row.error),
             "created_at": iso(row.created_at),
             "updated_at": iso(row.updated_at),
-            "created_by": CREATED_BY,
+            "created_by": row.owner or LOCAL_USER,
         }
     )
 
@@ -95,7 +95,7 @@ def session_json(
             "model_resources_id": row.resource_id,
             "created_at": iso(row.created_at),
             "updated_at": iso(row.updated_at),
-            "created_by": CREATED_BY,
+            "created_by": row.owner or LOCAL_USER,
             "display_name": row.display_name,
             "metadata": row.metadata,
             "step": step,

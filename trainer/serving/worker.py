@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.checkpoint.base_weights import FIELD, RefError, shown_ref
 from trainer.checkpoint.export import ENCRYPTED_EXPORT, stored_encrypted
-from trainer.checkpoint.store import CheckpointStore
+from trainer.checkpoint.store import CheckpointCorrupt, CheckpointRecord, CheckpointStore
 from trainer.contract.errors import OperationError
 from trainer.contract.specs import LoraConfig, ModelEntry, ResourceSpec, SessionSpec
 from trainer.serving.catalogue import (
@@ -42,16 +43,29 @@ from trainer.serving.catalogue import (
 )
 from trainer.serving.config import ServeConfig
 from trainer.serving.engine_protocols import EngineResource, EngineSession, load_resource
-from trainer.serving.errors import bad_request, failed_precondition, not_found
+from trainer.serving.errors import ApiError, bad_request, failed_precondition, not_found
 from trainer.serving.ids import SAFE_ID, check_resume_location, is_safe_id
 from trainer.serving.lifecycle import Loader, ResourceManager, at_capacity, error_body
 from trainer.serving.payloads import PayloadFiles, offload_result
 from trainer.serving.queues import Job, OperationLog, SessionQueue, op_error
 from trainer.serving.requests import CreateSessionBody, check_lora, overlay_metadata
+from trainer.serving.tenants import LOCAL, Principal, over_quota
+from trainer.serving.users import acting_user
 
 log = logging.getLogger(__name__)
 
 EngineCall = Callable[[EngineSession], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class CountedCall:
+    """An engine call with the tokens it trains on, for the metrics (`Operation.call`)."""
+
+    run: EngineCall
+    trained_tokens: int = 0
+
+    def __call__(self, session: EngineSession) -> dict[str, Any]:
+        return self.run(session)
 
 
 def _check_ident(ident: str | None) -> None:
@@ -117,12 +131,43 @@ class Worker:
         self.draining = False
         self._stop_requested: set[str] = set()
         self.abandoned: list[str] = []  # ops still running when shutdown gave up on them
+        # a user's principal (its quotas) by user id: the API layer's keys (`set by create_app`)
+        self.principals: Callable[[str], Principal | None] = lambda user: None
 
     # -- resources -------------------------------------------------------------------------
 
-    def create_resource(self, spec: ResourceSpec, ident: str | None = None) -> ResourceRow:
+    def create_resource(
+        self,
+        spec: ResourceSpec,
+        ident: str | None = None,
+        who: Principal = LOCAL,
+        shared: bool = False,
+    ) -> ResourceRow:
+        """A new resource owned by `who` (its `max_resources` quota checked with the insert,
+        under the lifecycle's lock: racing creates never pass it)."""
         _check_ident(ident)
-        return self.resources.create(spec, self.config.models, ident)
+        if shared and not spec.lora_enabled:
+            raise bad_request(
+                "shared: only a LoRA resource hosts several users' sessions", "shared"
+            )
+        ref = spec.base_weights_ref
+        if ref:  # another user's checkpoint reads as no checkpoint at all
+            record = self.checkpoints.get(ref)
+            if record is not None and not self.sees_checkpoint(who, record):
+                missing = RefError(f"no checkpoint {shown_ref(ref)} on this worker")
+                raise bad_request(str(missing), FIELD)
+        limit = who.quotas.max_resources
+
+        def check_quota() -> None:
+            if limit is None:
+                return
+            used = self.store.count_live_owned(ResourceRow, who.user)
+            if used >= limit:
+                raise over_quota("max_resources", limit, used)
+
+        return self.resources.create(
+            spec, self.config.models, ident, owner=who.user, shared=shared, check=check_quota
+        )
 
     def resource_loaded(self, resource_id: str) -> Future[None] | None:
         """Resolves once the resource's load has settled (None: it has settled already)."""
@@ -145,19 +190,36 @@ class Worker:
                 counts[replica["state"].lower()] = counts.get(replica["state"].lower(), 0) + 1
         return counts
 
-    def resource(self, resource_id: str) -> ResourceRow:
+    def resource(
+        self, resource_id: str, who: Principal | None = None, manage: bool = False
+    ) -> ResourceRow:
+        """The resource's row; with `who`, only one `who` may see (its own, any for an admin,
+        a `shared` one for reading and hosting sessions): another is missing, the same 404.
+        `manage` (stop, extend): a shared resource of another user is a 403."""
         row = self.store.get(ResourceRow, resource_id)
-        if row is None:
+        if row is None or (who is not None and not (who.sees(row.owner) or row.shared)):
             raise not_found("model resource", resource_id, "model_resources_id")
+        if manage and who is not None and not who.sees(row.owner):
+            raise ApiError(
+                403,
+                f"model_resources_id: model resource {resource_id} is shared with you; only its "
+                "owner or an admin stops or extends it",
+                param="model_resources_id",
+                code="permission_denied",
+            )
         return row
 
-    def extend_expiry(self, resource_id: str, seconds: int) -> ResourceRow:
-        self.resources.extend(self.resource(resource_id), seconds)
+    def extend_expiry(
+        self, resource_id: str, seconds: int, who: Principal | None = None
+    ) -> ResourceRow:
+        self.resources.extend(self.resource(resource_id, who, manage=True), seconds)
         return self.resource(resource_id)
 
-    def stop_resource(self, resource_id: str, force: bool) -> ResourceRow:
+    def stop_resource(
+        self, resource_id: str, force: bool, who: Principal | None = None
+    ) -> ResourceRow:
         """Blocking (joins session queues): call from a worker thread."""
-        row = self.resource(resource_id)
+        row = self.resource(resource_id, who, manage=True)
         if row.status in (RES_STOPPED, RES_ERROR):
             return row
         active = [s for s in self.store.sessions_of(resource_id) if s.status in SES_LIVE]
@@ -191,11 +253,20 @@ class Worker:
 
     # -- sessions --------------------------------------------------------------------------
 
-    def session(self, session_id: str) -> SessionRow:
+    def session(self, session_id: str, who: Principal | None = None) -> SessionRow:
+        """The session's row; with `who`, only one `who` sees (another's: the same 404)."""
         row = self.store.get(SessionRow, session_id)
-        if row is None:
+        if row is None or (who is not None and not who.sees(row.owner)):
             raise not_found("training session", session_id, "session_id")
         return row
+
+    def checkpoint_owner(self, record: CheckpointRecord) -> str | None:
+        """The user who owns a checkpoint: the owner of the session that saved it."""
+        row = self.store.get(SessionRow, record.session_id) if record.session_id else None
+        return row.owner if row is not None else None
+
+    def sees_checkpoint(self, who: Principal, record: CheckpointRecord) -> bool:
+        return who.sees(self.checkpoint_owner(record))
 
     def live_policy(self, session_id: str) -> tuple[int, dict[str, Any]] | None:
         with self.lock:
@@ -205,16 +276,23 @@ class Worker:
         return int(live.engine.step), dict(live.engine.policy_state())
 
     def create_session(
-        self, body: CreateSessionBody, ident: str | None = None
+        self,
+        body: CreateSessionBody,
+        ident: str | None = None,
+        who: Principal = LOCAL,
+        internal: bool = False,
     ) -> tuple[str, Future[SessionRow]]:
-        """Record the session (CREATING) and open it in the engine from a thread.
+        """Record the session (CREATING), owned by `who`, and open it in the engine from a
+        thread. `who` must see the resource (its own, or a shared one) and the checkpoint it
+        resumes from; its `max_sessions` quota is checked with the insert (`internal`
+        sessions, which the worker opens for itself, count against no quota).
 
         The future resolves to the RUNNING row, to an ERROR row (unexpected engine failure),
         or raises the engine's `OperationError` (the row is then ERROR too).
         """
         if self.draining:
             raise failed_precondition("the worker is shutting down")
-        res_row = self.resource(body.model_resources_id)
+        res_row = self.resource(body.model_resources_id, who)
         live_res = self.resources.get_live(res_row.id)
         if res_row.status != RES_READY or live_res is None or live_res.engine is None:
             raise failed_precondition(
@@ -229,7 +307,7 @@ class Worker:
         if body.resume_from_checkpoint_id:
             field = "resume_from_checkpoint_id"
             record = self.checkpoints.get(body.resume_from_checkpoint_id)
-            if record is None:
+            if record is None or not self.sees_checkpoint(who, record):
                 raise not_found("checkpoint", body.resume_from_checkpoint_id, field)
             if stored_encrypted(self.checkpoints, record.id):
                 raise bad_request(f"{field}: checkpoint {record.id} {ENCRYPTED_EXPORT}", field)
@@ -264,9 +342,16 @@ class Worker:
             metadata=body.metadata.model_dump(mode="json", exclude_none=True),
             # a resumed session's config is its checkpoint's: known once it is open
             lora_config=lora.model_dump(mode="json") if lora is not None and not resuming else None,
+            owner=who.user,
+            internal=internal,
         )
-        with self.lock:  # the count and the insert together: concurrent creates cannot overshoot
+        with self.lock:  # the counts and the insert together: concurrent creates cannot overshoot
             self._check_capacity(res_row.id, lora_enabled)
+            cap = who.quotas.max_sessions
+            if cap is not None and not internal:
+                used = self.store.count_live_owned(SessionRow, who.user)
+                if used >= cap:
+                    raise over_quota("max_sessions", cap, used)
             self.store.insert(row)
         self.resources.touch(res_row.id)
         future: Future[SessionRow] = Future()
@@ -426,11 +511,58 @@ class Worker:
         row = self.store.op_by_key(session_id, idem_key)
         return None if row is None else self.oplog.view(row)
 
+    def storage_used(self, user: str) -> int:
+        """Bytes on disk of `user`'s checkpoints (of every session it opened) and payloads."""
+        session_ids = self.store.session_ids_of(user)
+        total = 0
+        for record in self.checkpoints.list(session_ids=session_ids, limit=1 << 30):
+            try:
+                total += sum(f.size for f in self.checkpoints.manifest_files(record.id))
+            except (KeyError, CheckpointCorrupt):
+                continue
+        return total + sum(self.payloads.session_bytes(s) for s in session_ids)
+
+    def storage_quota(self, user: str | None) -> int | None:
+        principal = self.principals(user) if user is not None else None
+        return principal.quotas.max_storage_bytes if principal is not None else None
+
+    def _within_storage(self, owner: str | None, call: EngineCall) -> EngineCall:
+        """A checkpoint save that leaves `owner` past its `max_storage_bytes` is undone (its
+        checkpoint deleted) and FAILs RESOURCE_EXHAUSTED naming the quota."""
+        limit = self.storage_quota(owner)
+        if limit is None or owner is None:
+            return call
+
+        def checked(engine: Any) -> dict[str, Any]:
+            out = call(engine)
+            used = self.storage_used(owner)
+            if used > limit:
+                checkpoint_id = str((out.get("checkpoint") or {}).get("id") or "")
+                if checkpoint_id:
+                    self.checkpoints.delete(checkpoint_id)
+                raise OperationError(
+                    "RESOURCE_EXHAUSTED",
+                    f"quota max_storage_bytes: the checkpoint would bring {owner}'s checkpoints "
+                    f"and payloads to {used} bytes, past {limit}; delete some first",
+                )
+            return out
+
+        return checked
+
     def submit(
-        self, session_id: str, kind: str, key: str, body_hash: str, call: EngineCall
+        self,
+        session_id: str,
+        kind: str,
+        key: str,
+        body_hash: str,
+        call: EngineCall,
+        user: str | None = None,
     ) -> OperationRow:
-        """Record an operation and queue it on its session (FAILED at once if not RUNNING)."""
+        """Record an operation and queue it on its session (FAILED at once if not RUNNING).
+        `user`: whose request it is, for the metrics (default: the request's, `acting_user`)."""
         row = self.session(session_id)
+        if kind in ("training-checkpoint", "inference-checkpoint"):
+            call = self._within_storage(row.owner, call)
         op = self.oplog.create(session_id, kind, key, body_hash)
         with self.lock:
             live = self.sessions.get(session_id)
@@ -439,7 +571,9 @@ class Worker:
         elif live is None or row.status != SES_RUNNING:
             self.oplog.fail(op.id, "SESSION_NOT_ACTIVE", f"session {session_id} is {row.status}")
         else:
-            job = Job(op.id, kind, lambda: call(live.engine))
+            tokens = call.trained_tokens if isinstance(call, CountedCall) else 0
+            user = user or acting_user()
+            job = Job(op.id, kind, lambda: call(live.engine), user=user, trained_tokens=tokens)
             if live.queue.submit(job):
                 self.oplog.futures[op.id] = job.done
                 self.resources.touch(live.resource_id)

@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 
+from trainer.api.auth import principal_of
 from trainer.api.http import json_object, worker_of
 from trainer.api.openapi import json_body
 from trainer.serving.bodies import body_hash
@@ -45,7 +46,7 @@ IDEMPOTENCY_HEADER = {
 async def create_operation(request: Request, session_id: str, spec: Operation) -> dict[str, Any]:
     kind = spec.kind
     worker = worker_of(request)
-    worker.session(session_id)
+    worker.session(session_id, principal_of(request))
     key = request.headers.get("idempotency-key", "").strip()
     if not key:
         raise bad_request(
@@ -93,7 +94,7 @@ async def get_operation(
     request: Request, session_id: str, kind: str, operation_id: str
 ) -> dict[str, Any]:
     worker = worker_of(request)
-    worker.session(session_id)
+    worker.session(session_id, principal_of(request))
     return operation_json(worker.find_operation(session_id, kind, operation_id))
 
 

@@ -11,6 +11,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
 from pydantic import ValidationError
 
+from trainer.api.auth import NOBODY, listed_owner, principal_of
 from trainer.api.http import (
     FILE_PATH,
     base_url,
@@ -27,6 +28,7 @@ from trainer.checkpoint.store import (
     CheckpointRecord,
     CheckpointStore,
 )
+from trainer.contract.specs import ResourceSpec
 from trainer.serving.catalogue import ResourceRow
 from trainer.serving.errors import (
     ApiError,
@@ -72,7 +74,9 @@ async def create_resource(request: Request, body: CreateResourceBody) -> dict[st
     (then CREATING, and the client polls): the SDK's first poll then sees READY, not a 10 s
     wait."""
     worker = worker_of(request)
-    row = worker.create_resource(body)
+    who = principal_of(request)
+    spec = ResourceSpec.model_validate(body.model_dump(exclude={"shared"}))
+    row = worker.create_resource(spec, who=who, shared=body.shared)
     loaded = worker.resource_loaded(row.id)
     if loaded is not None:
         with contextlib.suppress(asyncio.TimeoutError):
@@ -99,25 +103,31 @@ async def list_resources(
     worker = worker_of(request)
     size = parse_limit(limit)
     statuses = parse_statuses(request, _RESOURCE_STATUSES)
-    if created_by not in (None, "", "me", "local"):
+    owner = listed_owner(principal_of(request), created_by)
+    if owner is NOBODY:
         return page_json([], False, size)
-    rows, more = worker.store.page(ResourceRow, after=after, limit=size, statuses=statuses)
+    where = {"owner": owner} if owner is not None else None
+    rows, more = worker.store.page(
+        ResourceRow, after=after, limit=size, where=where, statuses=statuses
+    )
     return page_json([resource_json(r) for r in rows], more, size)
 
 
 @router.get("/rl/model-resources/{model_resources_id}")
 async def get_resource(request: Request, model_resources_id: str) -> dict[str, Any]:
     worker = worker_of(request)
-    return resource_json(
-        worker.resource(model_resources_id), worker.generator_details(model_resources_id)
-    )
+    row = worker.resource(model_resources_id, principal_of(request))
+    return resource_json(row, worker.generator_details(model_resources_id))
 
 
 @router.post("/rl/model-resources/{model_resources_id}/extend-expiry")
 async def extend_expiry(
     request: Request, model_resources_id: str, body: ExtendExpiryBody
 ) -> dict[str, Any]:
-    return resource_json(worker_of(request).extend_expiry(model_resources_id, body.seconds))
+    worker = worker_of(request)
+    return resource_json(
+        worker.extend_expiry(model_resources_id, body.seconds, principal_of(request))
+    )
 
 
 @router.post("/rl/model-resources/{model_resources_id}/stop")
@@ -134,7 +144,7 @@ async def stop_resource(
         raise from_pydantic(exc) from None
     worker = worker_of(request)
     row = await run_in_threadpool(
-        worker.stop_resource, model_resources_id, bool(force) or parsed.force
+        worker.stop_resource, model_resources_id, bool(force) or parsed.force, principal_of(request)
     )
     return resource_json(row)
 
@@ -157,14 +167,21 @@ async def list_checkpoints(
     size = parse_limit(limit)
     if type not in (None, "", TRAINING, INFERENCE):
         raise bad_request(f"type: must be {TRAINING} or {INFERENCE}, got {type!r}", "type")
-    store = worker_of(request).checkpoints
+    worker = worker_of(request)
+    store = worker.checkpoints
+    who = principal_of(request)
     try:
+        if after:  # a cursor of another user's checkpoint is unknown here too
+            cursor = store.get(after)
+            if cursor is None or not worker.sees_checkpoint(who, cursor):
+                raise KeyError(after)
         records = store.list(
             session_id=session_id or None,
             type=type or None,
             base_model=base_model or None,
             after=after or None,
             limit=size + 1,
+            session_ids=None if who.admin else worker.store.session_ids_of(who.user),
         )
     except KeyError:
         raise bad_request(
@@ -178,9 +195,10 @@ async def list_checkpoints(
 
 @router.get("/rl/checkpoints/{checkpoint_id}")
 async def get_checkpoint(request: Request, checkpoint_id: str) -> dict[str, Any]:
-    store = worker_of(request).checkpoints
+    worker = worker_of(request)
+    store = worker.checkpoints
     record = store.get(checkpoint_id)
-    if record is None:
+    if record is None or not worker.sees_checkpoint(principal_of(request), record):
         raise not_found("checkpoint", checkpoint_id, "checkpoint_id")
     return await run_in_threadpool(_checkpoint_view, store, record)
 
@@ -231,7 +249,7 @@ async def download_checkpoint(
             "variant",
         )
     record = worker.checkpoints.get(checkpoint_id)
-    if record is None:
+    if record is None or not worker.sees_checkpoint(principal_of(request), record):
         raise not_found("checkpoint", checkpoint_id, "checkpoint_id")
     if record.type != INFERENCE:
         raise failed_precondition(

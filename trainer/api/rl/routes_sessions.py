@@ -10,6 +10,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
 from pydantic import ValidationError
 
+from trainer.api.auth import NOBODY, listed_owner, principal_of
 from trainer.api.http import (
     base_url,
     json_object,
@@ -29,6 +30,7 @@ from trainer.serving.errors import (
 )
 from trainer.serving.requests import CreateSessionBody, UpdateSessionBody
 from trainer.serving.responses import page_json, session_json
+from trainer.serving.tenants import over_quota
 from trainer.serving.worker import Worker
 
 router = APIRouter()
@@ -56,7 +58,7 @@ async def render(worker: Worker, row: SessionRow) -> dict[str, Any]:
 @router.post("/rl/training-sessions")
 async def create_session(request: Request, body: CreateSessionBody) -> dict[str, Any]:
     worker = worker_of(request)
-    session_id, future = worker.create_session(body)
+    session_id, future = worker.create_session(body, who=principal_of(request))
     try:
         row = await asyncio.wait_for(
             asyncio.shield(asyncio.wrap_future(future)), worker.config.session_create_wait_s
@@ -79,9 +81,12 @@ async def list_sessions(
     worker = worker_of(request)
     size = parse_limit(limit)
     statuses = parse_statuses(request, _SESSION_STATUSES)
-    if created_by not in (None, "", "me", "local"):
+    owner = listed_owner(principal_of(request), created_by)
+    if owner is NOBODY:
         return page_json([], False, size)
-    where = {"resource_id": model_resources_id} if model_resources_id else None
+    where = {"resource_id": model_resources_id} if model_resources_id else {}
+    if owner is not None:
+        where["owner"] = owner
     rows, more = worker.store.page(
         SessionRow, after=after or None, limit=size, where=where, statuses=statuses
     )
@@ -91,13 +96,13 @@ async def list_sessions(
 @router.get("/rl/training-sessions/{session_id}")
 async def get_session(request: Request, session_id: str) -> dict[str, Any]:
     worker = worker_of(request)
-    return await render(worker, worker.session(session_id))
+    return await render(worker, worker.session(session_id, principal_of(request)))
 
 
 @router.patch("/rl/training-sessions/{session_id}")
 async def update_session(request: Request, session_id: str) -> dict[str, Any]:
     worker = worker_of(request)
-    worker.session(session_id)
+    worker.session(session_id, principal_of(request))
     raw = await json_object(request, worker.config.max_body_bytes)
     try:
         body = UpdateSessionBody.model_validate(raw)
@@ -112,6 +117,7 @@ async def update_session(request: Request, session_id: str) -> dict[str, Any]:
 @router.post("/rl/training-sessions/{session_id}/stop")
 async def stop_session(request: Request, session_id: str) -> dict[str, Any]:
     worker = worker_of(request)
+    worker.session(session_id, principal_of(request))
     row = await run_in_threadpool(worker.stop_session, session_id)
     return await render(worker, row)
 
@@ -122,7 +128,7 @@ async def stop_session(request: Request, session_id: str) -> dict[str, Any]:
 @router.post("/rl/training-sessions/{session_id}/payloads/upload-url")
 async def upload_url(request: Request, session_id: str) -> dict[str, str]:
     worker = worker_of(request)
-    worker.session(session_id)
+    worker.session(session_id, principal_of(request))
     payload_id = worker.payloads.new_id()
     path = PAYLOAD_PATH.format(session_id=session_id, payload_id=payload_id)
     url = request.app.state.signer.sign(base_url(request), "PUT", path)
@@ -132,7 +138,7 @@ async def upload_url(request: Request, session_id: str) -> dict[str, str]:
 @router.post("/rl/training-sessions/{session_id}/payloads/{payload_id}/download-url")
 async def download_url(request: Request, session_id: str, payload_id: str) -> dict[str, str]:
     worker = worker_of(request)
-    worker.session(session_id)
+    worker.session(session_id, principal_of(request))
     if not worker.payloads.path(session_id, payload_id).is_file():
         raise not_found("payload", payload_id, "payload_id")
     path = PAYLOAD_PATH.format(session_id=session_id, payload_id=payload_id)
@@ -157,6 +163,13 @@ async def put_payload(request: Request, session_id: str, payload_id: str) -> dic
     if declared and declared.isdigit() and int(declared) > worker.payloads.max_bytes:
         raise ApiError(413, f"payload exceeds {worker.payloads.max_bytes} bytes", code="too_large")
     size = await worker.payloads.write_stream(session_id, payload_id, request.stream())
+    owner = worker.session(session_id).owner
+    limit = worker.storage_quota(owner)
+    if limit is not None and owner is not None:
+        used = await run_in_threadpool(worker.storage_used, owner)
+        if used > limit:  # undone: the payload would pass its owner's storage quota
+            worker.payloads.path(session_id, payload_id).unlink(missing_ok=True)
+            raise over_quota("max_storage_bytes", limit, used, " bytes")
     return {"payload_id": payload_id, "size": size}
 
 

@@ -18,6 +18,7 @@ requests fail cleanly and running ones finish while the engine still serves them
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import re
 import sqlite3
@@ -51,6 +52,7 @@ from trainer.serving.catalogue import (
 from trainer.serving.errors import ApiError, bad_request, is_disk_full
 from trainer.serving.operations import OPERATIONS, prepare_call
 from trainer.serving.requests import CreateSessionBody
+from trainer.serving.tenants import Principal
 from trainer.serving.worker import EngineCall, Worker
 
 log = logging.getLogger(__name__)
@@ -124,7 +126,9 @@ class TinkerBridge:
 
     # -- futures ---------------------------------------------------------------------------
 
-    def future(self, owner: str, kind: str, key: RequestKey) -> tuple[TinkerFuture, bool]:
+    def future(
+        self, owner: str, kind: str, key: RequestKey, user: str
+    ) -> tuple[TinkerFuture, bool]:
         """A new pending future, or the one this request's identity already made (False); a
         409 when another request made it (`RequestKey.same`)."""
         if key.key:
@@ -141,6 +145,7 @@ class TinkerBridge:
             updated_at=now,
             idem_key=key.key,
             body_hash=key.digest,
+            owner=user,
         )
         try:
             self.db.insert(row)
@@ -199,20 +204,31 @@ class TinkerBridge:
             return len(self._held)
 
     def start(
-        self, owner: str, kind: str, key: RequestKey, work: Callable[[str], dict[str, Any]]
+        self,
+        owner: str,
+        kind: str,
+        key: RequestKey,
+        work: Callable[[str], dict[str, Any]],
+        who: Principal,
     ) -> str:
-        """The request's future id: a new future whose `work(request_id)` runs on the owner's
-        dispatcher, or the future an earlier try of the same request made."""
-        future, new = self.future(owner, kind, key)
+        """The request's future id: a new future (of `who`) whose `work(request_id)` runs on
+        the owner's dispatcher, or the future an earlier try of the same request made."""
+        future, new = self.future(owner, kind, key, who.user)
         if new:
             self.dispatch(owner, future.id, lambda: work(future.id))
         return future.id
 
     def dispatch(self, owner: str, request_id: str, work: Callable[[], dict[str, Any]]) -> None:
         """Run `work` after the owner's earlier requests; its result or failure completes the
-        future (an unexpected error is a server-category failure, never a lost future)."""
+        future (an unexpected error is a server-category failure, never a lost future). It
+        runs in the request's context, so its operations count for the request's user
+        (`trainer.serving.users`)."""
+        context = contextvars.copy_context()
 
         def run() -> None:
+            context.run(_run)
+
+        def _run() -> None:
             try:
                 result = work()
             except RequestFailed as exc:
@@ -317,7 +333,8 @@ class TinkerBridge:
                 spec = ResourceSpec(
                     base_model=base_model, lora_enabled=True, inactive_timeout=RESOURCE_IDLE_S
                 )
-                resource_id = self.worker.create_resource(spec).id
+                # every user's Tinker models share it (merged passes); it counts for no one
+                resource_id = self.worker.create_resource(spec, shared=True).id
                 self._resources[base_model] = resource_id
         assert resource_id is not None
         loaded = self.worker.resource_loaded(resource_id)
@@ -329,10 +346,18 @@ class TinkerBridge:
             raise RequestFailed(f"loading base model {base_model!r} failed: {error}", "server")
         return resource_id
 
-    def open_session(self, resource_id: str, spec: dict[str, Any], field: str) -> str:
-        """A RUNNING training session on `resource_id` (blocking while it opens)."""
+    def open_session(
+        self,
+        resource_id: str,
+        spec: dict[str, Any],
+        field: str,
+        who: Principal,
+        internal: bool = False,
+    ) -> str:
+        """A RUNNING training session on `resource_id`, owned by `who` (blocking while it
+        opens); `internal`: a sampler's, which counts against no quota."""
         body = CreateSessionBody.model_validate({**spec, "model_resources_id": resource_id})
-        session_id, future = self.worker.create_session(body)
+        session_id, future = self.worker.create_session(body, who=who, internal=internal)
         try:
             row = future.result()
         except OperationError as exc:

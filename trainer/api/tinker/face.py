@@ -3,14 +3,14 @@ clear answer for every route the SDK knows that this worker does not serve."""
 
 from __future__ import annotations
 
-import hmac
-
 from fastapi import APIRouter, Depends, FastAPI, Request
 
+from trainer.api.keys import LOCAL, KeyRing
 from trainer.api.tinker import routes, routes_runs, routes_train, sampling
 from trainer.api.tinker.bridge import TinkerBridge
 from trainer.api.tinker.paths import TINKER_ID
 from trainer.serving.errors import ApiError, bad_request
+from trainer.serving.users import ACTING_USER
 from trainer.serving.worker import Worker
 
 PREFIX = "/api/v1"
@@ -27,34 +27,44 @@ NOT_SERVED = {
     "cancel_future": "sample_cancel_enabled is false in client/dynamic_config",
     "audit": "no audit log",
     "billing": "no billing",
-    "whoami": "no accounts: one token",
+    "whoami": (
+        "the SDK reads whoami from a JWT of its auth exchange, which this worker does not "
+        "serve; the key names its user (created_by, model_owner)"
+    ),
     "sessions/search": "list sessions with GET /api/v1/sessions",
 }
 SESSION_NOT_SERVED = ("/project", "/trace_export")
 
 
 class TinkerAuth:
-    """The worker's token as the SDK sends it: `X-API-Key`, or a bearer token. The SDK refuses
-    keys without its `tml-` prefix, so `tml-<token>` is accepted too (both constant-time)."""
+    """The key as the SDK sends it: `X-API-Key`, or a bearer token. The SDK refuses keys
+    without its `tml-` prefix, so `tml-<key>` names the same key as `<key>` (`KeyRing`,
+    constant-time); the principal goes on `request.state.principal`."""
 
-    def __init__(self, token: str | None) -> None:
-        self._keys = None if token is None else (token.encode(), f"{KEY_PREFIX}{token}".encode())
+    def __init__(self, keys: KeyRing | str | None) -> None:
+        self.keys = keys if isinstance(keys, KeyRing) else KeyRing(token=keys)
 
     async def __call__(self, request: Request) -> None:
-        if self._keys is None:
+        if self.keys.open:
+            request.state.principal = LOCAL
+            ACTING_USER.set(LOCAL.user)
             return
         given = request.headers.get("x-api-key", "")
         if not given:
             scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
             given = bearer if scheme.lower() == "bearer" else ""
+        given = given.strip()
         if not given:
             raise ApiError(
                 401, "missing API key: send X-API-Key (TINKER_API_KEY)", code="invalid_api_key"
             )
-        candidate = given.strip().encode()
-        matches = [hmac.compare_digest(candidate, key) for key in self._keys]
-        if not any(matches):
+        principal = self.keys.identify(given)
+        if principal is None and given.startswith(KEY_PREFIX):
+            principal = self.keys.identify(given.removeprefix(KEY_PREFIX))
+        if principal is None:
             raise ApiError(401, "invalid API key", code="invalid_api_key")
+        request.state.principal = principal
+        ACTING_USER.set(principal.user)  # the operations this request queues count for it
 
 
 async def check_tinker_ids(request: Request) -> None:
@@ -123,11 +133,11 @@ async def not_served(route: str) -> None:
     )
 
 
-def install(app: FastAPI, worker: Worker, token: str | None) -> TinkerBridge:
+def install(app: FastAPI, worker: Worker, keys: KeyRing) -> TinkerBridge:
     bridge = TinkerBridge(worker)
     app.state.tinker = bridge
     app.state.tinker_samplers = sampling.SamplerSessions(bridge)
-    auth = [Depends(TinkerAuth(token)), Depends(check_tinker_ids)]
+    auth = [Depends(TinkerAuth(keys)), Depends(check_tinker_ids)]
     for module in (routes, routes_train, sampling, routes_runs):
         app.include_router(module.router, prefix=PREFIX, dependencies=auth)
     app.include_router(fallback, prefix=PREFIX, dependencies=auth)

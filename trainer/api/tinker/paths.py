@@ -19,6 +19,7 @@ from trainer.api.tinker.records import TinkerCheckpoint
 from trainer.checkpoint.export import ENCRYPTED_EXPORT, stored_encrypted
 from trainer.checkpoint.store import INFERENCE, TRAINING, CheckpointRecord
 from trainer.serving.errors import ApiError, bad_request, not_found
+from trainer.serving.tenants import Principal
 
 SEGMENTS = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}
 KINDS = {segment: kind for kind, segment in SEGMENTS.items()}
@@ -60,23 +61,26 @@ def check_name(name: str, field: str) -> str:
     return name
 
 
-def resolve(bridge: TinkerBridge, path: str, field: str) -> CheckpointRecord:
-    """The engine checkpoint a tinker path names (404 when it names none)."""
+def resolve(bridge: TinkerBridge, path: str, field: str, who: Principal) -> CheckpointRecord:
+    """The engine checkpoint a tinker path names, one `who` may see (404 when it names none,
+    or another user's)."""
     run_id, kind, name = parse(path, field)
     saved = bridge.db.get(TinkerCheckpoint, path)
     checkpoint_id = saved.checkpoint_id if saved is not None else name
     record = bridge.worker.checkpoints.get(checkpoint_id)
     if record is None or (saved is None and record.session_id != run_id):
         raise not_found("checkpoint", path, field)
+    if not bridge.worker.sees_checkpoint(who, record):
+        raise not_found("checkpoint", path, field)
     if record.type != ENGINE_TYPES[kind]:
         raise ApiError(400, f"{field}: {path!r} names a checkpoint of another kind", param=field)
     return record
 
 
-def loadable(bridge: TinkerBridge, path: str, field: str) -> CheckpointRecord:
+def loadable(bridge: TinkerBridge, path: str, field: str, who: Principal) -> CheckpointRecord:
     """`resolve`, for a checkpoint the worker will read back: an encrypted export (its files
     age-encrypted to the user's recipients) is a 400 naming `field`."""
-    record = resolve(bridge, path, field)
+    record = resolve(bridge, path, field, who)
     if stored_encrypted(bridge.worker.checkpoints, record.id):
         raise bad_request(f"{field}: {path} {ENCRYPTED_EXPORT}", field)
     return record

@@ -35,6 +35,7 @@ class TinkerSession:
     display_name: str | None = None
     user_metadata: dict[str, Any] = field(default_factory=dict)
     ended_at: float | None = None  # its heartbeats stopped: its models' sessions are closed
+    owner: str | None = None  # the user who created it (None: before owners were recorded)
 
 
 @dataclass
@@ -64,6 +65,7 @@ class TinkerFuture:
     error: str | None = None
     category: str | None = None  # "user" | "server"
     body_hash: str | None = None  # sha256 of the request's body: another body is a 409
+    owner: str | None = None  # the user whose request made it
 
 
 @dataclass
@@ -125,9 +127,14 @@ class TinkerRecords:
     def __init__(self, path: Path) -> None:
         self._lock = threading.Lock()
         self._db = open_db(path, _SCHEMA)
-        columns = {row["name"] for row in self._db.execute("PRAGMA table_info(futures)")}
-        if "body_hash" not in columns:  # a store whose futures table lacks the column gets it
-            self._db.execute("ALTER TABLE futures ADD COLUMN body_hash TEXT")
+        for table, column in (
+            ("futures", "body_hash"),
+            ("futures", "owner"),
+            ("sessions", "owner"),
+        ):
+            columns = {row["name"] for row in self._db.execute(f"PRAGMA table_info({table})")}
+            if column not in columns:  # a store from before the column existed gets it
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} TEXT")
 
     def close(self) -> None:
         with self._lock:

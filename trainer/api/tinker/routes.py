@@ -19,6 +19,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
+from trainer.api.auth import principal_of
 from trainer.api.http import json_object
 from trainer.api.tinker import convert, paths, proto
 from trainer.api.tinker.bridge import TinkerBridge
@@ -34,6 +35,7 @@ from trainer.api.tinker.requests import (
 )
 from trainer.serving.catalogue import SES_RUNNING, SessionRow
 from trainer.serving.errors import ApiError, from_pydantic, not_found
+from trainer.serving.tenants import Principal
 
 router = APIRouter()
 CONTROL_BODY_MAX = 1 << 20  # the JSON bodies of this face carry a few fields
@@ -130,6 +132,7 @@ async def create_session(request: Request) -> dict[str, Any]:
         heartbeat_at=now,
         display_name=body.display_name,
         user_metadata=dict(body.user_metadata or {}),
+        owner=principal_of(request).user,
     )
     await run_in_threadpool(bridge_of(request).db.insert, session)
     return {"type": "create_session", "session_id": session.id}
@@ -139,9 +142,7 @@ async def create_session(request: Request) -> dict[str, Any]:
 async def session_heartbeat(request: Request) -> dict[str, Any]:
     body: SessionRef = await parse(request, SessionRef)
     bridge = bridge_of(request)
-    session = bridge.db.get(TinkerSession, body.session_id)
-    if session is None:
-        raise not_found("session", body.session_id, "session_id")
+    session = get_session(bridge, body.session_id, principal_of(request))
     if session.ended_at is not None:  # the SDK stops heartbeating on a 410
         raise ApiError(
             410,
@@ -159,8 +160,7 @@ async def session_heartbeat(request: Request) -> dict[str, Any]:
 async def finish_session(request: Request, session_id: str) -> dict[str, Any]:
     """The SDK's `ServiceClient.close()` (and its `with` exit): acknowledged; the session's
     models stay until its heartbeats stop. Unknown session: a 404 naming `session_id`."""
-    if bridge_of(request).db.get(TinkerSession, session_id) is None:
-        raise not_found("session", session_id, "session_id")
+    get_session(bridge_of(request), session_id, principal_of(request))
     return {}
 
 
@@ -171,7 +171,8 @@ async def finish_session(request: Request, session_id: str) -> dict[str, Any]:
 async def create_model(request: Request) -> dict[str, Any]:
     body: CreateModel = await parse(request, CreateModel)
     bridge = bridge_of(request)
-    get_session(bridge, body.session_id)
+    who = principal_of(request)
+    get_session(bridge, body.session_id, who)
     entry = bridge.entry(body.base_model)
     lora = body.lora_config
     rank = lora.rank if lora is not None else min(32, entry.max_lora_rank)
@@ -196,6 +197,7 @@ async def create_model(request: Request) -> dict[str, Any]:
             resource_id,
             {"lora_config": lora_config, "display_name": f"tinker {model_id}"[:128]},
             "create_model",
+            who,
         )
         now = time.time()
         bridge.db.insert(
@@ -217,7 +219,7 @@ async def create_model(request: Request) -> dict[str, Any]:
 
     # the model id names the request; the same id with another body is a 409
     key = RequestKey(f"create_model|{model_id}", body_digest("CreateModel", body), "model_seq_id")
-    request_id = bridge.start(model_id, "CreateModel", key, work)
+    request_id = bridge.start(model_id, "CreateModel", key, work, who)
     return future_json(request_id, model_id)
 
 
@@ -238,24 +240,31 @@ def model_info(bridge: TinkerBridge, model: TinkerModel) -> dict[str, Any]:
     }
 
 
-def get_session(bridge: TinkerBridge, session_id: str) -> TinkerSession:
+def get_session(bridge: TinkerBridge, session_id: str, who: Principal) -> TinkerSession:
+    """A Tinker session `who` may see; another user's is missing (the same 404)."""
     session = bridge.db.get(TinkerSession, session_id)
-    if session is None:
+    if session is None or not who.sees(session.owner):
         raise not_found("session", session_id, "session_id")
     return session
 
 
-def get_model(bridge: TinkerBridge, model_id: str) -> TinkerModel:
+def session_owner(bridge: TinkerBridge, session_id: str) -> str | None:
+    session = bridge.db.get(TinkerSession, session_id)
+    return session.owner if session is not None else None
+
+
+def get_model(bridge: TinkerBridge, model_id: str, who: Principal) -> TinkerModel:
+    """A model of a Tinker session `who` may see; another user's is missing (the same 404)."""
     model = bridge.db.get(TinkerModel, model_id)
-    if model is None:
+    if model is None or not who.sees(session_owner(bridge, model.tinker_session)):
         raise not_found("model", model_id, "model_id")
     return model
 
 
-def live_model(bridge: TinkerBridge, model_id: str) -> TinkerModel:
+def live_model(bridge: TinkerBridge, model_id: str, who: Principal) -> TinkerModel:
     """A model whose training session is running: after a restart, `unload_model` or the end
     of its Tinker session it is not, and a request for it is a 400 naming `model_id`."""
-    model = get_model(bridge, model_id)
+    model = get_model(bridge, model_id, who)
     row = bridge.worker.store.get(SessionRow, model.session_id)
     if row is None or row.status != SES_RUNNING:
         raise ApiError(
@@ -281,14 +290,15 @@ def seq_id_of(req: dict[str, Any]) -> int | None:
 async def get_info(request: Request) -> dict[str, Any]:
     body: ModelRef = await parse(request, ModelRef)
     bridge = bridge_of(request)
-    return model_info(bridge, get_model(bridge, body.model_id))
+    return model_info(bridge, get_model(bridge, body.model_id, principal_of(request)))
 
 
 @router.post("/weights_info")
 async def weights_info(request: Request) -> dict[str, Any]:
     body: WeightsInfo = await parse(request, WeightsInfo)
     bridge = bridge_of(request)
-    record = await run_in_threadpool(paths.resolve, bridge, body.tinker_path, "tinker_path")
+    who = principal_of(request)
+    record = await run_in_threadpool(paths.resolve, bridge, body.tinker_path, "tinker_path", who)
     return {
         "base_model": record.base_model,
         "optimizer_config": {"type": "adamw"},
@@ -309,7 +319,7 @@ async def retrieve_future(request: Request) -> Response:
     bridge = bridge_of(request)
     request_id = body.request_id
     row = bridge.lookup(request_id)
-    if row is None:
+    if row is None or not principal_of(request).sees(row.owner):
         raise not_found("request", request_id, "request_id")
 
     def settled() -> bool:

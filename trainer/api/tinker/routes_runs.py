@@ -14,17 +14,20 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 
+from trainer.api.auth import principal_of
 from trainer.api.http import FILE_PATH, base_url
 from trainer.api.tinker import paths
 from trainer.api.tinker.bridge import TinkerBridge
 from trainer.api.tinker.records import TinkerCheckpoint, TinkerModel, TinkerSampler, TinkerSession
 from trainer.api.tinker.requests import CheckpointTtl
-from trainer.api.tinker.routes import bridge_of, parse
+from trainer.api.tinker.routes import bridge_of, parse, session_owner
+from trainer.api.tinker.routes import get_session as tinker_session
 from trainer.checkpoint.export import stored_encrypted
 from trainer.checkpoint.store import INFERENCE, CheckpointCorrupt, CheckpointRecord
 from trainer.serving.catalogue import SessionRow
 from trainer.serving.errors import ApiError, bad_request, not_found
 from trainer.serving.responses import iso
+from trainer.serving.tenants import LOCAL_USER, Principal
 
 router = APIRouter()
 TINKER_SESSION_PREFIX = "tinker "  # display name of the engine sessions this face opens
@@ -64,7 +67,25 @@ def run_checkpoints(bridge: TinkerBridge, run_id: str) -> list[CheckpointRecord]
     return sorted(found, key=lambda r: (r.created_at, r.id), reverse=True)
 
 
-def run_json(bridge: TinkerBridge, run_id: str) -> dict[str, Any]:
+def run_owner(bridge: TinkerBridge, run_id: str) -> tuple[bool, str | None]:
+    """Whether `run_id` is a run (a Tinker model or an RL-face session), and its owner."""
+    model = bridge.db.get(TinkerModel, run_id)
+    if model is not None:
+        return True, session_owner(bridge, model.tinker_session)
+    row = bridge.worker.store.get(SessionRow, run_id)
+    return row is not None, row.owner if row is not None else None
+
+
+def check_run(bridge: TinkerBridge, run_id: str, who: Principal) -> str | None:
+    """The run's owner, when `who` may see the run; else the 404 of a missing run."""
+    found, owner = run_owner(bridge, run_id)
+    if not found or not who.sees(owner):
+        raise not_found("training run", run_id, "training_run_id")
+    return owner
+
+
+def run_json(bridge: TinkerBridge, run_id: str, who: Principal) -> dict[str, Any]:
+    owner = check_run(bridge, run_id, who)
     model = bridge.db.get(TinkerModel, run_id)
     records = run_checkpoints(bridge, run_id)
     last = {
@@ -85,7 +106,7 @@ def run_json(bridge: TinkerBridge, run_id: str) -> dict[str, Any]:
     return {
         "training_run_id": run_id,
         "base_model": base,
-        "model_owner": "local",
+        "model_owner": owner or LOCAL_USER,
         "is_lora": rank is not None,
         "corrupted": False,
         "lora_rank": rank,
@@ -118,12 +139,13 @@ async def list_training_runs(
 ) -> dict[str, Any]:
     _page(limit, offset)
     bridge = bridge_of(request)
+    who = principal_of(request)
 
     def collect() -> dict[str, Any]:
-        ids = [
-            m.id for m in bridge.db.select(TinkerModel, tail="ORDER BY created_at DESC, id DESC")
-        ]
-        rows, _ = bridge.worker.store.page(SessionRow, after=None, limit=10_000)
+        models = bridge.db.select(TinkerModel, tail="ORDER BY created_at DESC, id DESC")
+        ids = [m.id for m in models if who.sees(session_owner(bridge, m.tinker_session))]
+        where = None if who.admin else {"owner": who.user}
+        rows, _ = bridge.worker.store.page(SessionRow, after=None, limit=10_000, where=where)
         ids += [
             r.id
             for r in sorted(rows, key=lambda r: (r.created_at, r.id), reverse=True)
@@ -131,7 +153,7 @@ async def list_training_runs(
         ]
         page = ids[offset : offset + limit]
         return {
-            "training_runs": [run_json(bridge, run_id) for run_id in page],
+            "training_runs": [run_json(bridge, run_id, who) for run_id in page],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(ids)},
         }
 
@@ -140,19 +162,16 @@ async def list_training_runs(
 
 @router.get("/training_runs/{run_id}")
 async def get_training_run(request: Request, run_id: str) -> dict[str, Any]:
-    return await run_in_threadpool(run_json, bridge_of(request), run_id)
+    return await run_in_threadpool(run_json, bridge_of(request), run_id, principal_of(request))
 
 
 @router.get("/training_runs/{run_id}/checkpoints")
 async def list_run_checkpoints(request: Request, run_id: str) -> dict[str, Any]:
     bridge = bridge_of(request)
+    who = principal_of(request)
 
     def collect() -> dict[str, Any]:
-        if (
-            bridge.db.get(TinkerModel, run_id) is None
-            and bridge.worker.store.get(SessionRow, run_id) is None
-        ):
-            raise not_found("training run", run_id, "training_run_id")
+        check_run(bridge, run_id, who)
         return {
             "checkpoints": [checkpoint_json(bridge, r) for r in run_checkpoints(bridge, run_id)]
         }
@@ -166,10 +185,13 @@ async def list_user_checkpoints(
 ) -> dict[str, Any]:
     _page(limit, offset)
     bridge = bridge_of(request)
+    who = principal_of(request)
 
     def collect() -> dict[str, Any]:
-        records = list(bridge.worker.checkpoints.list(limit=offset + limit))
-        total = len(list(bridge.worker.checkpoints.list(limit=1_000_000)))
+        store = bridge.worker.checkpoints
+        mine = None if who.admin else bridge.worker.store.session_ids_of(who.user)
+        records = list(store.list(limit=offset + limit, session_ids=mine))
+        total = len(list(store.list(limit=1_000_000, session_ids=mine)))
         return {
             "checkpoints": [checkpoint_json(bridge, r) for r in records[offset:]],
             "cursor": {"offset": offset, "limit": limit, "total_count": total},
@@ -178,8 +200,12 @@ async def list_user_checkpoints(
     return await run_in_threadpool(collect)
 
 
-def _record(bridge: TinkerBridge, run_id: str, checkpoint_id: str) -> CheckpointRecord:
-    return paths.resolve(bridge, f"{paths.PREFIX}{run_id}/{checkpoint_id}", "checkpoint_id")
+def _record(
+    bridge: TinkerBridge, run_id: str, checkpoint_id: str, who: Principal
+) -> CheckpointRecord:
+    check_run(bridge, run_id, who)
+    path = f"{paths.PREFIX}{run_id}/{checkpoint_id}"
+    return paths.resolve(bridge, path, "checkpoint_id", who)
 
 
 @router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
@@ -190,7 +216,7 @@ async def external_weights_urls(
     signer's TTL: adapter_config.json and adapter_model.safetensors (an external export's in
     Tinker's naming, `.age` when encrypted; a sampler checkpoint's in PEFT's)."""
     bridge = bridge_of(request)
-    record = await run_in_threadpool(_record, bridge, run_id, checkpoint_id)
+    record = await run_in_threadpool(_record, bridge, run_id, checkpoint_id, principal_of(request))
     if record.type != INFERENCE:
         raise bad_request(
             f"checkpoint_id: {checkpoint_id} is a training checkpoint (weights and optimizer "
@@ -223,7 +249,7 @@ async def set_checkpoint_ttl(request: Request, run_id: str, checkpoint_id: str) 
     as `expires_at`, as a save's `ttl_seconds` is (nothing is deleted when it passes)."""
     body: CheckpointTtl = await parse(request, CheckpointTtl)
     bridge = bridge_of(request)
-    record = await run_in_threadpool(_record, bridge, run_id, checkpoint_id)
+    record = await run_in_threadpool(_record, bridge, run_id, checkpoint_id, principal_of(request))
     path = f"{paths.PREFIX}{run_id}/{checkpoint_id}"
     if bridge.db.get(TinkerCheckpoint, path) is None:
         raise bad_request(
@@ -241,7 +267,7 @@ async def delete_checkpoint(request: Request, run_id: str, checkpoint_id: str) -
     session API may still resume from it), except an encrypted export: nothing on the worker
     can read it, so its files go too."""
     bridge = bridge_of(request)
-    record = await run_in_threadpool(_record, bridge, run_id, checkpoint_id)
+    record = await run_in_threadpool(_record, bridge, run_id, checkpoint_id, principal_of(request))
     path = f"{paths.PREFIX}{run_id}/{checkpoint_id}"
     if bridge.db.get(TinkerCheckpoint, path) is None:
         raise bad_request(
@@ -265,16 +291,16 @@ async def list_sessions(
     request: Request, limit: Annotated[int, Query()] = 20, offset: Annotated[int, Query()] = 0
 ) -> dict[str, Any]:
     _page(limit, offset)
+    who = principal_of(request)
     rows = bridge_of(request).db.select(TinkerSession, tail="ORDER BY created_at DESC, id DESC")
+    rows = [r for r in rows if who.sees(r.owner)]
     return {"sessions": [r.id for r in rows[offset : offset + limit]]}
 
 
 @router.get("/sessions/{session_id}")
 async def get_session(request: Request, session_id: str) -> dict[str, Any]:
     bridge = bridge_of(request)
-    session = bridge.db.get(TinkerSession, session_id)
-    if session is None:
-        raise not_found("session", session_id, "session_id")
+    session = tinker_session(bridge, session_id, principal_of(request))
     return {
         "training_run_ids": [
             m.id for m in bridge.db.select(TinkerModel, "tinker_session = ?", (session_id,))

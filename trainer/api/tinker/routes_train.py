@@ -16,11 +16,12 @@ import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 
+from trainer.api.auth import principal_of
 from trainer.api.http import json_object
 from trainer.api.tinker import convert, paths, proto, stability
 from trainer.api.tinker.bridge import RequestFailed, TinkerBridge
 from trainer.api.tinker.identity import RequestKey, request_key
-from trainer.api.tinker.records import TinkerCheckpoint, TinkerModel, TinkerSession
+from trainer.api.tinker.records import TinkerCheckpoint, TinkerModel
 from trainer.api.tinker.requests import (
     LoadWeights,
     ModelRef,
@@ -33,6 +34,7 @@ from trainer.api.tinker.routes import (
     bridge_of,
     future_json,
     get_model,
+    get_session,
     input_error,
     live_model,
     parse,
@@ -40,7 +42,7 @@ from trainer.api.tinker.routes import (
 )
 from trainer.api.tinker.sampling import SamplerSessions, new_sampler, samplers_of
 from trainer.checkpoint.export import AdapterExport
-from trainer.serving.errors import ApiError, bad_request, not_found
+from trainer.serving.errors import ApiError, bad_request
 from trainer.serving.operations import vocab_size_of
 
 router = APIRouter()
@@ -71,6 +73,7 @@ def storable_fb(out: dict[str, Any]) -> dict[str, Any]:
 @router.post("/forward_backward")
 async def forward_backward(request: Request) -> dict[str, Any]:
     bridge = bridge_of(request)
+    who = principal_of(request)
     limit = bridge.worker.config.max_body_bytes
     as_proto = proto.PROTOBUF in request.headers.get("content-type", "")
     if as_proto:
@@ -87,7 +90,7 @@ async def forward_backward(request: Request) -> dict[str, Any]:
     model_id = req.get("model_id")
     if not isinstance(model_id, str) or not model_id:
         raise bad_request("model_id: required", "model_id")
-    model = live_model(bridge, model_id)
+    model = live_model(bridge, model_id, who)
     fbi = req.get("forward_backward_input")
     if not isinstance(fbi, dict):
         raise bad_request("forward_backward_input: required (an object)", "forward_backward_input")
@@ -122,14 +125,15 @@ async def forward_backward(request: Request) -> dict[str, Any]:
         result = bridge.run(model, "forward-backward", call, request_id)
         return storable_fb(convert.forward_backward_output(result, loss_fn))
 
-    return future_json(bridge.start(model_id, kind, key, work), model_id)
+    return future_json(bridge.start(model_id, kind, key, work, who), model_id)
 
 
 @router.post("/optim_step")
 async def optim_step(request: Request) -> dict[str, Any]:
     bridge = bridge_of(request)
+    who = principal_of(request)
     req = await json_object(request, 1 << 20)
-    model = live_model(bridge, str(req.get("model_id") or ""))
+    model = live_model(bridge, str(req.get("model_id") or ""), who)
     try:
         body = convert.optim_step_body(req)
     except convert.TinkerInputError as exc:
@@ -140,7 +144,7 @@ async def optim_step(request: Request) -> dict[str, Any]:
     def work(request_id: str) -> dict[str, Any]:
         return convert.optim_step_output(bridge.run(model, "optim-step", call, request_id))
 
-    return future_json(bridge.start(model.id, "OptimStep", key, work), model.id)
+    return future_json(bridge.start(model.id, "OptimStep", key, work, who), model.id)
 
 
 def _checkpoint_name(bridge: TinkerBridge, model: TinkerModel, kind: str, name: str | None) -> str:
@@ -198,7 +202,8 @@ def _save_request(
 ) -> tuple[TinkerBridge, TinkerModel, str, RequestKey]:
     """What a save route needs first: its model, the checkpoint's name, the request's key."""
     bridge = bridge_of(request)
-    model = live_model(bridge, body.model_id)
+    who = principal_of(request)
+    model = live_model(bridge, body.model_id, who)
     name = _checkpoint_name(bridge, model, kind, body.path)
     return bridge, model, name, request_key(request, model.id, op, body.seq_id, body)
 
@@ -207,6 +212,7 @@ def _save_request(
 async def save_weights(request: Request) -> dict[str, Any]:
     body: SaveWeights = await parse(request, SaveWeights)
     bridge, model, name, key = _save_request(request, body, "training", "SaveWeights")
+    who = principal_of(request)
 
     def work(request_id: str) -> dict[str, Any]:
         path = _save(
@@ -221,13 +227,14 @@ async def save_weights(request: Request) -> dict[str, Any]:
         )
         return {"path": path, "type": "save_weights"}
 
-    return future_json(bridge.start(model.id, "SaveWeights", key, work), model.id)
+    return future_json(bridge.start(model.id, "SaveWeights", key, work, who), model.id)
 
 
 @router.post("/save_weights_for_sampler")
 async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
     body: SaveWeightsForSampler = await parse(request, SaveWeightsForSampler)
     bridge, model, name, key = _save_request(request, body, "sampler", "SaveWeightsForSampler")
+    who = principal_of(request)
     samplers = samplers_of(request)
 
     def work(request_id: str) -> dict[str, Any]:
@@ -238,11 +245,11 @@ async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
         out: dict[str, Any] = {"path": path, "type": "save_weights_for_sampler"}
         if body.sampling_session_seq_id is not None:
             sampler_id = f"{model.tinker_session}:sample:{body.sampling_session_seq_id}"
-            new_sampler(bridge, sampler_id, model.tinker_session, model.base_model, path)
+            new_sampler(bridge, sampler_id, model.tinker_session, model.base_model, path, who)
             out["sampling_session_id"] = sampler_id
         return out
 
-    return future_json(bridge.start(model.id, "SaveWeightsForSampler", key, work), model.id)
+    return future_json(bridge.start(model.id, "SaveWeightsForSampler", key, work, who), model.id)
 
 
 def _publish_for_samplers(
@@ -270,7 +277,8 @@ async def save_weights_external(request: Request) -> dict[str, Any]:
     `age_encryption_recipients`, every file encrypted to them as `<name>.age`."""
     body: SaveWeightsExternal = await parse(request, SaveWeightsExternal)
     bridge = bridge_of(request)
-    model = live_model(bridge, body.model_id)
+    who = principal_of(request)
+    model = live_model(bridge, body.model_id, who)
     name = paths.check_name(body.path, "path")
     key = request_key(request, model.id, "SaveWeightsExternal", body.seq_id, body)
     export = AdapterExport("tinker", tuple(body.age_encryption_recipients or ()))
@@ -279,19 +287,20 @@ async def save_weights_external(request: Request) -> dict[str, Any]:
         path = _save(
             bridge, model, "external", name, request_id, body.ttl_seconds, None, True, export
         )
-        record = paths.resolve(bridge, path, "path")
+        record = paths.resolve(bridge, path, "path", who)
         files = bridge.worker.checkpoints.variant_files(record.id, "ADAPTER")
         size = sum(f.size for f in files)
         return {"path": path, "size_bytes": size, "type": "save_weights_external"}
 
-    return future_json(bridge.start(model.id, "SaveWeightsExternal", key, work), model.id)
+    return future_json(bridge.start(model.id, "SaveWeightsExternal", key, work, who), model.id)
 
 
 @router.post("/load_weights")
 async def load_weights(request: Request) -> dict[str, Any]:
     body: LoadWeights = await parse(request, LoadWeights)
     bridge = bridge_of(request)
-    record = await run_in_threadpool(paths.loadable, bridge, body.path, "path")
+    who = principal_of(request)
+    record = await run_in_threadpool(paths.loadable, bridge, body.path, "path", who)
     if record.lora_rank is None:
         raise bad_request(
             f"path: {body.path} is a full-weight checkpoint; Tinker models are LoRA", "path"
@@ -299,7 +308,7 @@ async def load_weights(request: Request) -> dict[str, Any]:
     if body.optimizer and record.type != paths.ENGINE_TYPES["training"]:
         raise bad_request("optimizer: a sampler checkpoint has no optimizer state", "optimizer")
     if body.model_id is not None:
-        model = get_model(bridge, body.model_id)
+        model = get_model(bridge, body.model_id, who)
         if record.base_model != model.base_model:
             raise bad_request(
                 f"path: {body.path} was trained on {record.base_model!r}, model {model.id} on "
@@ -309,8 +318,7 @@ async def load_weights(request: Request) -> dict[str, Any]:
         target, tinker_session, base_model = model.id, model.tinker_session, model.base_model
     else:
         tinker_session = body.session_id or ""
-        if bridge.db.get(TinkerSession, tinker_session) is None:
-            raise not_found("session", tinker_session, "session_id")
+        get_session(bridge, tinker_session, who)
         base_model = bridge.entry(record.base_model, "path").name
         target = f"{tinker_session}:train:{body.model_seq_id}"
     spec = {
@@ -323,7 +331,7 @@ async def load_weights(request: Request) -> dict[str, Any]:
         old = bridge.db.get(TinkerModel, target)
         # the face's live resource (made again if the model's own was stopped or restarted)
         resource_id = bridge.resource_for(base_model)
-        session_id = bridge.open_session(resource_id, spec, "path")
+        session_id = bridge.open_session(resource_id, spec, "path", who)
         now = time.time()
         model = TinkerModel(
             id=target,
@@ -343,14 +351,15 @@ async def load_weights(request: Request) -> dict[str, Any]:
         return {"path": body.path, "model_id": target, "type": "load_weights"}
 
     key = request_key(request, target, "LoadWeights", body.seq_id, body)
-    return future_json(bridge.start(target, "LoadWeights", key, work), target)
+    return future_json(bridge.start(target, "LoadWeights", key, work, who), target)
 
 
 @router.post("/unload_model")
 async def unload_model(request: Request) -> dict[str, Any]:
     body: ModelRef = await parse(request, ModelRef)
     bridge = bridge_of(request)
-    model = get_model(bridge, body.model_id)
+    who = principal_of(request)
+    model = get_model(bridge, body.model_id, who)
     # unloading the session that holds the model now is one request, however often it is sent
     key = request_key(request, model.id, "UnloadModel", model.session_id, body)
 
@@ -358,4 +367,4 @@ async def unload_model(request: Request) -> dict[str, Any]:
         bridge.stop_session(bridge.current_session(model.id))
         return {"model_id": model.id, "type": "unload_model"}
 
-    return future_json(bridge.start(model.id, "UnloadModel", key, work), model.id)
+    return future_json(bridge.start(model.id, "UnloadModel", key, work, who), model.id)

@@ -25,6 +25,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 
+from trainer.api.auth import principal_of
 from trainer.api.http import json_object
 from trainer.api.tinker import convert, paths, stability
 from trainer.api.tinker.bridge import TinkerBridge, tinker_named
@@ -39,10 +40,12 @@ from trainer.api.tinker.routes import (
     input_error,
     parse,
     seq_id_of,
+    session_owner,
 )
 from trainer.serving.catalogue import SES_RUNNING, SessionRow
 from trainer.serving.errors import ApiError, bad_request, not_found
 from trainer.serving.operations import OPERATIONS, validated_call, vocab_size_of
+from trainer.serving.tenants import LOCAL, Principal
 from trainer.serving.worker import EngineCall
 
 router = APIRouter()
@@ -158,7 +161,9 @@ class SamplerSessions:
         else:
             spec = {"lora_config": {"rank": 1, "alpha": 1, "train_unembed": False}}
         spec["display_name"] = f"tinker sampler {sampler.id}"[:128]
-        return self.bridge.open_session(resource_id, spec, "model_path")
+        # the worker's own session, shared by every sampler of the checkpoint (each sampler's
+        # user was checked against the checkpoint when the sampler was made: `new_sampler`)
+        return self.bridge.open_session(resource_id, spec, "model_path", LOCAL, internal=True)
 
     def _evict(self) -> None:
         closing: list[str] = []
@@ -181,6 +186,13 @@ def _versions(output: dict[str, Any]) -> set[int]:
     }
 
 
+def sampler_visible(bridge: TinkerBridge, sampler: TinkerSampler, who: Principal) -> bool:
+    """A sampling session of a Tinker session `who` may see. An ad-hoc sampler (a
+    `model_path` or `base_model` named in the request) belongs to no session: each request
+    checks its path again (`new_sampler`)."""
+    return not sampler.tinker_session or who.sees(session_owner(bridge, sampler.tinker_session))
+
+
 def samplers_of(request: Request) -> SamplerSessions:
     samplers: SamplerSessions = request.app.state.tinker_samplers
     return samplers
@@ -192,13 +204,14 @@ def new_sampler(
     tinker_session: str,
     base_model: str | None,
     model_path: str | None,
+    who: Principal,
     keep: bool = True,
 ) -> TinkerSampler:
-    """Record a sampling session (400/404 naming the field when its target does not exist);
-    `keep=False` only checks and builds it."""
+    """Record a sampling session (400/404 naming the field when its target does not exist,
+    or is a checkpoint `who` may not see); `keep=False` only checks and builds it."""
     checkpoint_id = None
     if model_path:
-        record = paths.loadable(bridge, model_path, "model_path")
+        record = paths.loadable(bridge, model_path, "model_path", who)
         if record.lora_rank is None:
             raise bad_request(f"model_path: {model_path} is a full-weight checkpoint", "model_path")
         checkpoint_id, base = record.id, record.base_model
@@ -221,18 +234,20 @@ def new_sampler(
 async def create_sampling_session(request: Request) -> dict[str, Any]:
     body: CreateSamplingSession = await parse(request, CreateSamplingSession)
     bridge = bridge_of(request)
-    get_session(bridge, body.session_id)
+    who = principal_of(request)
+    get_session(bridge, body.session_id, who)
     sampler_id = f"{body.session_id}:sample:{body.sampling_session_seq_id}"
     await run_in_threadpool(
-        new_sampler, bridge, sampler_id, body.session_id, body.base_model, body.model_path
+        new_sampler, bridge, sampler_id, body.session_id, body.base_model, body.model_path, who
     )
     return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
 
 @router.get("/samplers/{sampler_id}")
 async def get_sampler(request: Request, sampler_id: str) -> dict[str, Any]:
-    sampler = bridge_of(request).db.get(TinkerSampler, sampler_id)
-    if sampler is None:
+    bridge = bridge_of(request)
+    sampler = bridge.db.get(TinkerSampler, sampler_id)
+    if sampler is None or not sampler_visible(bridge, sampler, principal_of(request)):
         raise not_found("sampler", sampler_id, "sampler_id")
     return {
         "sampler_id": sampler.id,
@@ -256,11 +271,12 @@ def _prepare_sample(bridge: TinkerBridge, base_model: str, body: dict[str, Any])
 @router.post("/asample")
 async def asample(request: Request) -> dict[str, Any]:
     bridge = bridge_of(request)
+    who = principal_of(request)
     req = await json_object(request, bridge.worker.config.max_body_bytes)
     sampler_id = req.get("sampling_session_id")
     if sampler_id is not None:
         sampler = bridge.db.get(TinkerSampler, str(sampler_id))
-        if sampler is None:
+        if sampler is None or not sampler_visible(bridge, sampler, who):
             raise not_found("sampling session", str(sampler_id), "sampling_session_id")
     elif req.get("model_path") or req.get("base_model"):
         path, base = req.get("model_path"), req.get("base_model")
@@ -268,7 +284,7 @@ async def asample(request: Request) -> dict[str, Any]:
             if value is not None and not isinstance(value, str):
                 raise bad_request(f"{name}: must be a string", name)
         sampler = await run_in_threadpool(  # recorded once the request is accepted
-            new_sampler, bridge, f"adhoc:{path or base}", "", base, path, False
+            new_sampler, bridge, f"adhoc:{path or base}", "", base, path, who, False
         )
     else:
         raise bad_request(
@@ -316,7 +332,7 @@ async def asample(request: Request) -> dict[str, Any]:
         finally:
             sessions.release(held)
 
-    request_id = bridge.start(sampler.id, "Sample", key, work)
+    request_id = bridge.start(sampler.id, "Sample", key, work, who)
     count = req.get("num_samples", 1)
     out = future_json(request_id)
     if isinstance(count, int):  # each becomes its `SampledSequence.sequence_id` in the SDK
