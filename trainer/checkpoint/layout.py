@@ -279,7 +279,11 @@ def read_directory(source: Path, adapter: bool) -> tuple[LoraConfig, dict[str, t
         "rank": raw["r"],
         "alpha": raw["lora_alpha"],
         "dropout": raw.get("lora_dropout", 0.0),
-        "train_unembed": "lm_head" in names or "unembed_tokens" in names,
+        "train_unembed": (
+            "lm_head" in targets  # a composite's regex names the head in its alternatives
+            if isinstance(targets, str)
+            else "lm_head" in names or "unembed_tokens" in names
+        ),
     }
     config = LoraConfig.model_validate(fields, strict=False)  # PEFT may write 16.0 for 16
     return config, from_tinker(load_file(str(source / "adapter_model.safetensors")))

@@ -42,30 +42,42 @@ def packed_sdpa_forward(
     on CUDA SDPA picks its flash kernel for each causal, unmasked segment.
 
     query `[B, Hq, T, D]`, key/value `[B, Hkv, T, D]` → output `[B, T, Hq, D]` (transformers'
-    attention-interface layout). With a mask, a KV cache (keys longer than queries) or no
-    position ids, it is plain SDPA, so generation is unchanged.
+    attention-interface layout). A layer's `sliding_window` limits each sample's keys to its
+    last `sliding_window` positions (a banded mask per sample); attention sinks and soft-capping
+    are refused (those models compute with eager attention). Without position ids a row is one
+    sample. With a mask or a KV cache (keys longer than queries) it is plain SDPA with
+    transformers' own masks (windows included), so generation is unchanged.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    for name in ("s_aux", "softcap"):  # sinks, soft-capping: `architecture.needs_eager`
+        if kwargs.get(name) is not None:
+            raise ValueError(f"packed_sdpa cannot compute attention with {name}; use eager")
     position_ids = kwargs.get("position_ids")
-    plain = attention_mask is not None or query.shape[2] != key.shape[2]  # mask, or KV cache
-    if plain or not isinstance(position_ids, torch.Tensor):
+    if attention_mask is not None or query.shape[2] != key.shape[2]:  # a mask, or a KV cache
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     groups = int(getattr(module, "num_key_value_groups", 1))
     dropout_p = dropout if module.training else 0.0
+    window = kwargs.get("sliding_window")
     rows = []
     for b in range(query.shape[0]):
         parts = []
-        for start, end in _segments(position_ids[min(b, position_ids.shape[0] - 1)]):
+        if isinstance(position_ids, torch.Tensor):
+            segments = _segments(position_ids[min(b, position_ids.shape[0] - 1)])
+        else:
+            segments = [(0, int(query.shape[2]))]
+        for start, end in segments:
+            band = _band(end - start, window, query.device)
             out = torch.nn.functional.scaled_dot_product_attention(
                 query[b : b + 1, :, start:end],
                 key[b : b + 1, :, start:end],
                 value[b : b + 1, :, start:end],
+                attn_mask=band,
                 dropout_p=dropout_p,
                 scale=scaling,
-                is_causal=True,
+                is_causal=band is None,
                 enable_gqa=groups > 1,
             )
             parts.append(out)
@@ -73,10 +85,25 @@ def packed_sdpa_forward(
     return torch.cat(rows, dim=0).transpose(1, 2).contiguous(), None
 
 
+def _band(n: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """A sliding window's mask over one sample of `n` tokens (True = attend): position i
+    attends to j when `i - window < j <= i`, as transformers' `sliding_window_overlay`. None
+    when the window covers the whole sample (plain causal attention)."""
+    if window is None or n <= window:
+        return None
+    i = torch.arange(n, device=device)
+    distance = i[:, None] - i[None, :]
+    return (distance >= 0) & (distance < window)
+
+
 def _packed_mask(**kwargs: Any) -> torch.Tensor | None:
-    """No mask for packed rows (the kernel splits them); SDPA's mask whenever there is a
-    padding mask to honour (batched generation)."""
-    if kwargs.get("attention_mask") is None:
+    """No mask for packed rows (the kernel splits them and applies windows); SDPA's own mask
+    (the layer's causal, sliding or chunked one) whenever there is a padding mask to honour
+    (batched generation) or a KV cache (queries after the first position)."""
+    fresh = int(kwargs.get("q_offset") or 0) == 0 and kwargs.get("kv_length") == kwargs.get(
+        "q_length"
+    )
+    if kwargs.get("attention_mask") is None and fresh:
         return None
     from transformers.masking_utils import sdpa_mask
 

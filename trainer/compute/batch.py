@@ -165,6 +165,7 @@ class MicroBatch:
     sample_index_P: torch.Tensor
     targets_P: torch.Tensor
     row_lengths: list[int] = field(default_factory=list)  # real tokens per row, left-aligned
+    one_per_row: bool = False  # the `ROWS` layout (`trainer.compute.architecture`)
 
     @property
     def num_tokens(self) -> int:
@@ -207,9 +208,19 @@ class MicroBatch:
         `[1, Σ tokens]` row without padding or mask: the kernel splits it where the position
         ids restart, so no `L×L` mask is built or applied and no padding is computed. Any other
         implementation (sdpa, eager) gets the padded rows and the block-diagonal causal mask,
-        in the form it takes (`attention_mask`; `dtype`: the model's).
+        in the form it takes (`attention_mask`; `dtype`: the model's). A batch of one sample
+        per row (the `ROWS` layout) goes in as padded rows with a `[R, L]` padding mask, from
+        which the model builds each layer's own mask.
         """
-        if not is_varlen(attn_implementation):
+        if self.one_per_row:
+            real = self.segment_R_L >= 0
+            inputs = {
+                "input_ids": self.tokens_R_L.to(device),
+                "position_ids": self.position_ids_R_L.to(device),
+                "attention_mask": real.long().to(device),
+            }
+            return inputs, self.keep_index_P.to(device)
+        if not self.varlen(attn_implementation):
             inputs = {
                 "input_ids": self.tokens_R_L.to(device),
                 "position_ids": self.position_ids_R_L.to(device),
@@ -226,6 +237,10 @@ class MicroBatch:
             "position_ids": self.position_ids_R_L[real][None].to(device),
         }
         return inputs, (offsets[rows] + cols).to(device)
+
+    def varlen(self, attn_implementation: str | None) -> bool:
+        """Whether the decoder takes this batch as one unpadded row (`decoder_inputs`)."""
+        return not self.one_per_row and is_varlen(attn_implementation)
 
     def attention_mask(
         self,
@@ -244,8 +259,13 @@ class MicroBatch:
         return additive.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
-def pack_rows(samples: list[PreparedSample], row_tokens: int) -> list[list[PreparedSample]]:
-    """First-fit-decreasing packing into rows of `row_tokens` (or the longest sample's)."""
+def pack_rows(
+    samples: list[PreparedSample], row_tokens: int, one_per_row: bool = False
+) -> list[list[PreparedSample]]:
+    """First-fit-decreasing packing into rows of `row_tokens` (or the longest sample's); with
+    `one_per_row` (the `ROWS` layout), each sample alone in its row, longest first."""
+    if one_per_row:
+        return [[s] for s in sorted(samples, key=lambda s: (-s.length, s.index))]
     capacity = max(row_tokens, max(s.length for s in samples))
     rows: list[list[PreparedSample]] = []
     room: list[int] = []
@@ -262,10 +282,17 @@ def pack_rows(samples: list[PreparedSample], row_tokens: int) -> list[list[Prepa
 
 
 def pack(
-    samples: list[PreparedSample], *, row_tokens: int = ROW_TOKENS, token_budget: int = TOKEN_BUDGET
+    samples: list[PreparedSample],
+    *,
+    row_tokens: int = ROW_TOKENS,
+    token_budget: int = TOKEN_BUDGET,
+    one_per_row: bool = False,
 ) -> list[MicroBatch]:
-    """`pack_rows`, rows grouped into micro-batches by token budget."""
-    rows = pack_rows(samples, row_tokens)
+    """`pack_rows`, rows grouped into micro-batches by token budget (with `one_per_row`, by
+    padded size: rows × the longest row)."""
+    rows = pack_rows(samples, row_tokens, one_per_row)
+    if one_per_row:
+        return [build_micro_batch(group, True) for group in _padded_groups(rows, token_budget)]
     batches: list[list[list[PreparedSample]]] = [[]]
     used = 0
     for row in rows:
@@ -278,7 +305,21 @@ def pack(
     return [build_micro_batch(group) for group in batches]
 
 
-def build_micro_batch(rows: list[list[PreparedSample]]) -> MicroBatch:
+def _padded_groups(
+    rows: list[list[PreparedSample]], token_budget: int
+) -> list[list[list[PreparedSample]]]:
+    """Rows (longest first) in groups whose padded size, rows × the first row's length, fits
+    `token_budget` (a row longer than the budget goes alone)."""
+    groups: list[list[list[PreparedSample]]] = []
+    for row in rows:
+        if groups and (len(groups[-1]) + 1) * groups[-1][0][0].length <= token_budget:
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    return groups
+
+
+def build_micro_batch(rows: list[list[PreparedSample]], one_per_row: bool = False) -> MicroBatch:
     width = max(sum(s.length for s in row) for row in rows)
     tokens = torch.zeros(len(rows), width, dtype=torch.long)
     positions = torch.zeros(len(rows), width, dtype=torch.long)
@@ -309,4 +350,5 @@ def build_micro_batch(rows: list[list[PreparedSample]]) -> MicroBatch:
         sample_index_P=torch.cat(sample_index),
         targets_P=torch.cat(targets),
         row_lengths=[sum(s.length for s in row) for row in rows],
+        one_per_row=one_per_row,
     )

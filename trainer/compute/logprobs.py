@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from trainer.compute.architecture import output_head
 from trainer.contract.options import CHUNK_TOKENS
 
 if TYPE_CHECKING:
@@ -261,7 +262,7 @@ def batch_logprobs(
     inputs, keep_P = batch.decoder_inputs(model.config._attn_implementation, device, dtype)
     hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
     hidden_N_H = hidden.reshape(-1, hidden.shape[-1])
-    head = model.get_output_embeddings()
+    head = output_head(model)
     targets_P = batch.targets_P.to(device)
     logprobs_P, entropy_P = token_logprobs(
         hidden_N_H[keep_P],

@@ -30,6 +30,8 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer  # eager: see the module docstring
 
+from trainer.compute import architecture, selfcheck
+from trainer.compute.architecture import needs_eager
 from trainer.compute.attention import use_packed_sdpa
 from trainer.compute.turns import TurnLock
 from trainer.contract.errors import invalid
@@ -92,10 +94,8 @@ def load_base_model(
     hf_logging.disable_progress_bar()
     source = str(local_dir(entry.location, entry.revision))
     dtype = resolve_dtype(entry.dtype, device)
-    attn = "sdpa"
-    if device.type == "cuda" and _has_flash_attn():
-        attn = "flash_attention_2"
     with COMPUTE_LOCK:
+        attn = entry.attn_implementation or default_attention(source, device, entry)
         model = AutoModelForCausalLM.from_pretrained(
             source,
             dtype=dtype,
@@ -103,10 +103,19 @@ def load_base_model(
             attn_implementation=attn,
         )
         model.to(load_on or device)  # type: ignore[arg-type]
+        reason = needs_eager(model)
+        if reason and entry.attn_implementation is None and attn != "eager":
+            log.info("%s: %s, so eager attention", entry.name, reason)
+            attn = "eager"
+            model.set_attn_implementation(attn)
         if attn == "sdpa":
             use_packed_sdpa(model)  # exact varlen attention for packed samples, else plain sdpa
         model.requires_grad_(False)
         model.eval()
+        if load_on is None or load_on == device:
+            selfcheck.prove(model)  # exact or refused (docs/semantics.md §17)
+        else:  # loaded to be sharded: the layout its layers call for, checked on one device
+            architecture.keep(model, architecture.describe(model))
         tokenizer = None
         if any(Path(source, name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
             tokenizer = AutoTokenizer.from_pretrained(
@@ -167,6 +176,25 @@ def resolve_context_limit(entry: ModelEntry) -> ModelEntry:
     return with_context_limit(entry, config)
 
 
+def default_attention(source: str, device: torch.device, entry: ModelEntry) -> str:
+    """The fastest attention the model's class supports: FlashAttention-2 on CUDA when
+    installed, else SDPA (made varlen by `use_packed_sdpa`), else eager. Attention that
+    SDPA or FlashAttention-2 would compute wrongly (sinks, soft-capping) moves to eager
+    after the load (`architecture.needs_eager`)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(source, trust_remote_code=entry.trust_remote_code)
+    model_class: Any = None
+    with contextlib.suppress(KeyError, ValueError):
+        model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    supports = lambda flag: model_class is None or bool(getattr(model_class, flag, True))  # noqa: E731
+    if device.type == "cuda" and _has_flash_attn() and supports("_supports_flash_attn"):
+        return "flash_attention_2"
+    if supports("_supports_sdpa"):
+        return "sdpa"
+    return "eager"
+
+
 def _has_flash_attn() -> bool:
     try:
         import flash_attn  # noqa: F401
@@ -175,36 +203,83 @@ def _has_flash_attn() -> bool:
     return True
 
 
-def lora_target_modules(model: Any, train_unembed: bool) -> list[str]:
+def lora_target_modules(model: Any, train_unembed: bool) -> list[str] | str:
     """Every linear layer of the decoder (leaf names), plus the output head with train_unembed.
 
     Like peft's "all-linear" but explicit, so the head can be added as a real LoRA target
-    (not `modules_to_save`, which inference servers reject).
+    (not `modules_to_save`, which inference servers reject). On a composite model (a language
+    model beside a vision or audio tower) the leaf names would match the towers' layers too,
+    so the targets are a regex over the language model's module paths: the towers stay frozen
+    and untouched (text-only training; docs/semantics.md §17).
     """
     decoder = model.get_decoder()
     names = sorted(
         {name.rsplit(".", 1)[-1] for name, mod in decoder.named_modules() if _is_linear(mod)}
     )
+    head_name = _head_attr(model)
+    prefix = _decoder_path(model)
+    if prefix is not None and _has_other_towers(model, prefix):
+        leaves = "|".join(re.escape(name) for name in names)
+        pattern = rf"{re.escape(prefix)}\..*\.({leaves})"
+        return f"^(?:{pattern}|{re.escape(head_name)})$" if train_unembed else f"^{pattern}$"
     if train_unembed:
-        head_name = _head_attr(model)
         names.append(head_name)
     return names
+
+
+def _decoder_path(model: Any) -> str | None:
+    decoder = model.get_decoder()
+    for name, module in model.named_modules():
+        if module is decoder:
+            return name
+    return None
+
+
+def _has_other_towers(model: Any, decoder_path: str) -> bool:
+    """Whether linear layers live outside the decoder and the output head (a vision tower,
+    a multimodal projector)."""
+    head = model.get_output_embeddings()
+    for name, module in model.named_modules():
+        inside = name == decoder_path or name.startswith(decoder_path + ".")
+        if _is_linear(module) and not inside and module is not head:
+            return True
+    return False
 
 
 def lora_target_parameters(model: Any) -> list[str]:
     """The fused expert weights of the decoder's MoE blocks, for peft's `target_parameters`
     (`experts.gate_up_proj`, `experts.down_proj` in transformers 5's Qwen3-MoE): every 3-D
-    parameter, named `<module leaf>.<parameter>`. Empty for a dense model. The router (a 2-D
+    parameter whose first dimension is the config's number of experts, outside any
+    convolution (a linear-attention layer's conv kernel is 3-D too, and is not an expert
+    stack), named `<module leaf>.<parameter>`. Empty for a dense model. The router (a 2-D
     parameter of its own module) is not among them. Sorted, so that peft nests its wrappers,
     and names the adapter's keys, the same way on every load."""
     decoder = model.get_decoder()
+    experts = num_experts(model)
+    if experts is None:
+        return []
     names = set()
     for module_name, module in decoder.named_modules():
+        if isinstance(module, nn.modules.conv._ConvNd):
+            continue
         for param_name, param in module.named_parameters(recurse=False):
-            if param.dim() == 3:  # peft's wrappers (`.base_layer`) are not part of the name
-                leaf = unwrapped(module_name).rsplit(".", 1)[-1]
+            if param.dim() == 3 and param.shape[0] == experts:
+                leaf = unwrapped(module_name).rsplit(".", 1)[-1]  # without peft's wrappers
                 names.add(f"{leaf}.{param_name}")
     return sorted(names)
+
+
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def num_experts(model: Any) -> int | None:
+    """The number of routed experts its config declares (None: a dense model)."""
+    config = architecture.text_config(model)
+    for key in _EXPERT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            return value
+    return None
 
 
 def unwrapped(path: str) -> str:

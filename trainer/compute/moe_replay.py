@@ -12,8 +12,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.compute.attention import is_varlen
-
 # Routers whose combine rule is "softmax over all experts, top-k, renormalised when
 # norm_topk_prob": replay reproduces exactly that rule at forced ids.
 ROUTER_CLASSES = ("Qwen3MoeTopKRouter",)
@@ -175,7 +173,7 @@ def plan(batch: Any, attn_implementation: str | None) -> tuple[torch.Tensor, tor
     if not carried:
         return None
     segment = batch.segment_R_L
-    flat = segment[segment >= 0] if is_varlen(attn_implementation) else segment.reshape(-1)
+    flat = segment[segment >= 0] if batch.varlen(attn_implementation) else segment.reshape(-1)
     shape = carried[0].routed_experts.shape[1:]
     forced = torch.zeros((flat.shape[0], *shape), dtype=torch.long)
     use = torch.zeros(flat.shape[0], dtype=torch.bool)

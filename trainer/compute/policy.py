@@ -225,7 +225,8 @@ class LoraPolicy(Policy):
             if hasattr(module, "lora_A")
             for key in module.lora_A
         }
-        peft_config.target_modules = set(peft_config.target_modules) - inner
+        if not isinstance(peft_config.target_modules, str):  # a composite's regex: exact
+            peft_config.target_modules = set(peft_config.target_modules) - inner
         with quiet_peft_warnings(), torch.random.fork_rng(devices=cuda_devices()):
             torch.manual_seed(seed)
             self._peft = shared.add(resource_model, peft_config, name)
@@ -319,7 +320,8 @@ class LoraPolicy(Policy):
 
     def peft_config_dict(self) -> dict[str, Any]:
         config = self.peft.peft_config[self.name].to_dict()
-        config["target_modules"] = sorted(config["target_modules"])
+        if not isinstance(config["target_modules"], str):
+            config["target_modules"] = sorted(config["target_modules"])
         config["base_model_name_or_path"] = None
         config.pop("runtime_config", None)
         return json.loads(json.dumps(config, default=_jsonable))

@@ -229,6 +229,11 @@ class ModelEntry(StrictSpec):
     )
     trust_remote_code: bool = False
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    attn_implementation: str | None = Field(
+        default=None,
+        description="the attention transformers computes with (eager, sdpa, flash_attention_2, "
+        "flex_attention, ...); default: the fastest the model supports exactly",
+    )
     generator: GeneratorOptions | None = Field(
         default=None, description="this model's own `[generator]` keys (over the worker's)"
     )

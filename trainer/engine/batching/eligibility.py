@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
+from trainer.compute.architecture import PACKED, layout_of
 from trainer.compute.attention import is_varlen
 from trainer.compute.batch import PreparedSample
 from trainer.compute.placement import Plain
@@ -60,9 +61,11 @@ def _pass_allows(session: SharingSession, prepared: Sequence[PreparedSample] | N
 def _masks_exact(session: SharingSession) -> bool:
     """Whether a shared pass draws a dropout session's masks exactly as its solo call would:
     in one process, on the CPU, with one packed row per call (a varlen attention)."""
-    attn = session.policy.model.config._attn_implementation
+    model = session.policy.model
+    attn = model.config._attn_implementation
     on_cpu = session.resource.device.type == "cpu"
-    return bool(session.comm.world_size == 1 and on_cpu and is_varlen(attn))
+    packed = layout_of(model) == PACKED
+    return bool(session.comm.world_size == 1 and on_cpu and packed and is_varlen(attn))
 
 
 def _batch_allows(session: SharingSession) -> bool:

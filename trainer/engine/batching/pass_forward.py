@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
-from trainer.compute.attention import is_varlen
+from trainer.compute.architecture import ROWS, layout_of, output_head
 from trainer.compute.batch import MicroBatch, PreparedSample, build_micro_batch, pack, pack_rows
 from trainer.compute.logprobs import batch_logprobs, token_logprobs
 from trainer.compute.moe_replay import replaying
@@ -55,8 +55,14 @@ class PlainForward:
         self.item = item
         session = item.session
         options = session.options
+        one_per_row = layout_of(session.policy.model) == ROWS
         self.batches = (
-            pack(item.local, row_tokens=options.row_tokens, token_budget=options.token_budget)
+            pack(
+                item.local,
+                row_tokens=options.row_tokens,
+                token_budget=options.token_budget,
+                one_per_row=one_per_row,
+            )
             if item.local
             else []
         )
@@ -142,14 +148,16 @@ class JointForward:
 
 
 def joint_batch(
-    items: list[WorkItem], row_tokens: int, varlen: bool
+    items: list[WorkItem], row_tokens: int, attn: str | None, one_per_row: bool = False
 ) -> tuple[MicroBatch, list[tuple[int, int]]]:
     """All items' rows in one micro-batch, item after item, and each item's `[start, end)`
-    over the flattened positions of the decoder's input (`[1, Σ tokens]` when `varlen`, else
-    the padded `[rows, width]`). Sample indices are made unique across items, in item order,
-    so the kept positions come item after item, each item's in its own solo order. The batch
-    places positions only: each item's head reads its own targets (`_joint`), so here every
-    sample carries one column of them ([T, K] soft targets and [T] ones side by side)."""
+    over the flattened positions of the decoder's input (`[1, Σ tokens]` with a varlen
+    attention, else the padded `[rows, width]`; `one_per_row`: the `ROWS` layout). Sample indices
+    are made unique across items, in item order, so the kept positions come item after item, each
+    item's in its own solo order. The batch places positions only: each item's head reads its own
+    targets (`_joint`), so here every sample carries one column of them ([T, K] soft targets and [T]
+    ones side by side).
+    """
     rows: list[list[PreparedSample]] = []
     spans: list[tuple[int, int]] = []  # row range per item
     offset = 0
@@ -161,10 +169,11 @@ def joint_batch(
         ]
         offset += 1 + max(s.index for s in samples)
         first = len(rows)
-        rows.extend(pack_rows(relabeled, row_tokens))
+        rows.extend(pack_rows(relabeled, row_tokens, one_per_row))
         spans.append((first, len(rows)))
-    batch = build_micro_batch(rows)
+    batch = build_micro_batch(rows, one_per_row)
     width = int(batch.tokens_R_L.shape[1])
+    varlen = batch.varlen(attn)
     starts = [0]
     for length in batch.row_lengths:
         starts.append(starts[-1] + (length if varlen else width))
@@ -219,7 +228,8 @@ def _joint(
     device = session.device
     forward_only = live[0].forward_only
     attn = model.config._attn_implementation
-    batch, spans = joint_batch(live, options.row_tokens, is_varlen(attn))
+    one_per_row = layout_of(model) == ROWS
+    batch, spans = joint_batch(live, options.row_tokens, attn, one_per_row)
     dtype = getattr(model, "dtype", torch.float32)
     inputs, keep_P = batch.decoder_inputs(attn, device, dtype)
     segments = [Segment(adapter, a, b) for adapter, (a, b) in zip(adapters, spans, strict=True)]
@@ -227,7 +237,8 @@ def _joint(
     with segmented(peft, segments, generators=generators):
         hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
     hidden_N_H = hidden.reshape(-1, hidden.shape[-1])
-    head = model.get_output_embeddings()
+    lm_head = model.get_output_embeddings()
+    head = output_head(model)
     start = 0
     logprobs: Tensors = []
     entropies: Tensors = []
@@ -235,9 +246,14 @@ def _joint(
     for item, adapter, (first, _) in zip(live, adapters, spans, strict=True):
         logprobs_P = entropy_P = None
         item.batch = None
-        with head_adapter(head, adapter), _global_rng(item.rng):
+        with head_adapter(lm_head, adapter), _global_rng(item.rng):
             if item.local:
-                solo = pack(item.local, row_tokens=options.row_tokens, token_budget=item.tokens)
+                solo = pack(
+                    item.local,
+                    row_tokens=options.row_tokens,
+                    token_budget=1 << 62,  # one batch: its kept positions, in solo order
+                    one_per_row=one_per_row,
+                )
                 item.batch = solo[0]
                 kept = int(item.batch.keep_index_P.shape[0])
                 index = keep_P[start : start + kept]
