@@ -4,7 +4,7 @@ Read once per loaded model from its config and modules (`describe`): the type of
 layer (full, sliding or chunked attention; linear attention, SSM or convolution layers that
 carry state from one position to the next), the sliding windows, attention sinks, attention
 soft-capping, and what the model does between its last hidden state and its logits (`Head`).
-From these follows the layout a micro-batch is laid out in (docs/semantics.md §17):
+From these follows the layout a micro-batch is laid out in (docs/semantics.md §20):
 
 - `PACKED`: samples laid end to end in shared rows. A varlen attention (FlashAttention,
   `packed_sdpa`) splits them where the position ids restart and applies each layer's window;
@@ -47,6 +47,9 @@ _STATEFUL = {"linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba", "r
 # Decoder sub-modules whose class names mark a stateful layer, for configs without
 # `layer_types` that say so (Mamba, Gated DeltaNet, short convolutions, RG-LRU, ...).
 _STATEFUL_CLASS = re.compile(r"Mamba|DeltaNet|LinearAttention|ShortConv|Rglru|RGLRU|SSM|Recurrent")
+
+
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,8 @@ class Architecture:
     head: Head
     attn_implementation: str
     candidates: tuple[str, ...]  # exact layouts, fastest first
+    experts: int | None = None  # routed experts per MoE layer (position-wise: no effect)
+    latent_attention: bool = False  # MLA (compressed KV; attention as any other)
     layout: str = ""  # the chosen one (after the self-check: `selfcheck.prove`)
     checked: dict[str, float] = field(default_factory=dict, compare=False)  # layout -> max diff
     check_seconds: float = 0.0
@@ -129,6 +134,10 @@ class Architecture:
             out.append("state along positions: " + ", ".join(self.stateful))
         if not self.head.identity:
             out.append(self.head.describe())
+        if self.latent_attention:
+            out.append("MLA")
+        if self.experts:
+            out.append(f"{self.experts} experts")
         return out
 
     def path(self) -> str:
@@ -212,7 +221,18 @@ def describe(model: Any) -> Architecture:
         head=head_transform(model),
         attn_implementation=attn,
         candidates=(PACKED, ROWS) if packable else (ROWS,),
+        experts=describe_experts(config),
+        latent_attention=bool(getattr(config, "kv_lora_rank", None)),
     )
+
+
+def describe_experts(config: Any) -> int | None:
+    """The number of routed experts a (text) config declares; None: a dense model."""
+    for key in _EXPERT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            return value
+    return None
 
 
 def needs_eager(model: Any) -> str | None:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from trainer.compute.architecture import output_head
+from trainer.compute.architecture import Head, OutputHead, output_head
 from trainer.contract.options import CHUNK_TOKENS
 
 if TYPE_CHECKING:
@@ -61,9 +61,26 @@ def _logits(terms: list[Term], start: int, end: int, bias_V: torch.Tensor | None
     return out
 
 
+def _transform_(z_C_V: torch.Tensor, head: Head | None) -> torch.Tensor | None:
+    """In place, the model's logit transform (`architecture.Head`): `z` becomes
+    `scale · c · tanh(z / c)` (or `scale · z`). Returns `dy/dz` where it is not a constant
+    (soft-capping: `scale · (1 − tanh²)`), else None."""
+    if head is None or head.identity:
+        return None
+    deriv = None
+    if head.softcap is not None:
+        tanh = z_C_V.div_(head.softcap).tanh_()
+        deriv = (1 - tanh * tanh).mul_(head.scale)
+        tanh.mul_(head.softcap)
+    if head.scale != 1.0:
+        z_C_V.mul_(head.scale)
+    return deriv
+
+
 class _LinearLogprobs(torch.autograd.Function):
-    """`log softmax(Σ_i x_i @ W_i.T + b)[targets]` over token chunks (module docstring), for
-    `[N]` or `[N, K]` targets.
+    """`log softmax(f(Σ_i x_i @ W_i.T + b))[targets]` over token chunks (module docstring), for
+    `[N]` or `[N, K]` targets; `f` is the model's logit transform (`architecture.Head`:
+    soft-capping, a scale), or the identity.
 
     A plain head is one term `(hidden, W)`; a LoRA head adds `(scale · A(dropout(hidden)), B)`,
     whose `[N, r]` input is computed (with its dropout) once, outside, under autograd.
@@ -75,6 +92,7 @@ class _LinearLogprobs(torch.autograd.Function):
         targets_N: torch.Tensor,
         chunk_tokens: int,
         bias_V: torch.Tensor | None,
+        transform: Head | None,
         *flat_terms: torch.Tensor,
     ) -> torch.Tensor:
         terms = list(zip(flat_terms[0::2], flat_terms[1::2]))
@@ -84,6 +102,7 @@ class _LinearLogprobs(torch.autograd.Function):
         for start in range(0, n, chunk_tokens):
             end = min(start + chunk_tokens, n)
             logits_C_V = _logits(terms, start, end, bias_V)
+            _transform_(logits_C_V, transform)
             target_C = _pick(logits_C_V, targets_N[start:end])
             lse_C = _lse_(logits_C_V)
             del logits_C_V
@@ -94,6 +113,7 @@ class _LinearLogprobs(torch.autograd.Function):
         ctx.save_for_backward(targets_N, lse_N, *flat_terms[0::2])
         ctx.weights, ctx.bias = flat_terms[1::2], bias_V
         ctx.chunk_tokens = chunk_tokens
+        ctx.transform = transform
         return logprobs_N
 
     @staticmethod
@@ -103,8 +123,8 @@ class _LinearLogprobs(torch.autograd.Function):
         terms = list(zip(xs, weights))
         needs = ctx.needs_input_grad
         need_b = needs[2]
-        need_x = needs[3::2]
-        need_w = needs[4::2]
+        need_x = needs[4::2]
+        need_w = needs[5::2]
         grad_N = grad_N.float()
         n = targets_N.shape[0]
         grad_x = [torch.empty_like(x) if need else None for x, need in zip(xs, need_x)]
@@ -121,8 +141,14 @@ class _LinearLogprobs(torch.autograd.Function):
             # d lp_k / d logits = onehot(target_k) − softmax, so the position's gradient is
             # Σ_k g_k·onehot(target_k) − (Σ_k g_k)·softmax, in place.
             dlogits_C_V = _logits(terms, start, end, bias_V)
+            deriv_C_V = _transform_(dlogits_C_V, ctx.transform)
             dlogits_C_V.sub_(lse_N[start:end, None]).exp_().mul_(-g_C_K.sum(-1, keepdim=True))
             dlogits_C_V.scatter_add_(1, targets_C_K, g_C_K)
+            if deriv_C_V is not None:  # through the transform, back to the head's output
+                dlogits_C_V.mul_(deriv_C_V)
+                del deriv_C_V
+            elif ctx.transform is not None and ctx.transform.scale != 1.0:
+                dlogits_C_V.mul_(ctx.transform.scale)
             cast: dict[torch.dtype, torch.Tensor] = {torch.float32: dlogits_C_V}
             for i, (x, w) in enumerate(terms):
                 d = cast.get(w.dtype)
@@ -139,7 +165,7 @@ class _LinearLogprobs(torch.autograd.Function):
             if grad_b is not None:
                 grad_b += dlogits_C_V.sum(0)
             del dlogits_C_V, cast, d  # free this chunk's [C, V] before the next one
-        out: list[Any] = [None, None, None if grad_b is None else grad_b.to(bias_V.dtype)]
+        out: list[Any] = [None, None, None if grad_b is None else grad_b.to(bias_V.dtype), None]
         for i, (_, w) in enumerate(terms):
             gw = grad_w[i]
             out += [grad_x[i], None if gw is None else gw.to(w.dtype)]
@@ -226,11 +252,13 @@ def token_logprobs(
     if targets_N.ndim == 1 and _use_liger(backend, head, hidden_N_H):
         assert isinstance(head, nn.Linear)
         return liger_token_logprobs(hidden_N_H, head.weight, head.bias, targets_N), None
-    decomposed = linear_terms(head, hidden_N_H)
+    transform = head.transform if isinstance(head, OutputHead) else None
+    inner = head.head if isinstance(head, OutputHead) else head
+    decomposed = linear_terms(inner, hidden_N_H)
     if decomposed is not None:
         terms, bias = decomposed
         flat = [t for term in terms for t in term]
-        logprobs = _LinearLogprobs.apply(targets_N, chunk_tokens, bias, *flat)
+        logprobs = _LinearLogprobs.apply(targets_N, chunk_tokens, bias, transform, *flat)
         return logprobs, None
     parts = []
     for start in range(0, hidden_N_H.shape[0], chunk_tokens):

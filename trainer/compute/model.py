@@ -95,8 +95,9 @@ def load_base_model(
     source = str(local_dir(entry.location, entry.revision))
     dtype = resolve_dtype(entry.dtype, device)
     with COMPUTE_LOCK:
+        loader = model_loader(source, entry)
         attn = entry.attn_implementation or default_attention(source, device, entry)
-        model = AutoModelForCausalLM.from_pretrained(
+        model = loader.from_pretrained(
             source,
             dtype=dtype,
             trust_remote_code=entry.trust_remote_code,
@@ -113,7 +114,7 @@ def load_base_model(
         model.requires_grad_(False)
         model.eval()
         if load_on is None or load_on == device:
-            selfcheck.prove(model)  # exact or refused (docs/semantics.md §17)
+            selfcheck.prove(model)  # exact or refused (docs/semantics.md §20)
         else:  # loaded to be sharded: the layout its layers call for, checked on one device
             architecture.keep(model, architecture.describe(model))
         tokenizer = None
@@ -176,6 +177,21 @@ def resolve_context_limit(entry: ModelEntry) -> ModelEntry:
     return with_context_limit(entry, config)
 
 
+def model_loader(source: str, entry: ModelEntry) -> Any:
+    """The auto class that loads the checkpoint as its own architecture: a composite
+    checkpoint (a `*ForConditionalGeneration`: a language model beside a vision tower) loads
+    whole, so that its exports keep its class, config and towers; any other as a causal LM.
+    Training is text-only either way (`lora_target_modules`)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    config = AutoConfig.from_pretrained(source, trust_remote_code=entry.trust_remote_code)
+    composite = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(config.model_type)
+    if composite is not None and composite in (getattr(config, "architectures", None) or []):
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def default_attention(source: str, device: torch.device, entry: ModelEntry) -> str:
     """The fastest attention the model's class supports: FlashAttention-2 on CUDA when
     installed, else SDPA (made varlen by `use_packed_sdpa`), else eager. Attention that
@@ -186,7 +202,7 @@ def default_attention(source: str, device: torch.device, entry: ModelEntry) -> s
     config = AutoConfig.from_pretrained(source, trust_remote_code=entry.trust_remote_code)
     model_class: Any = None
     with contextlib.suppress(KeyError, ValueError):
-        model_class = AutoModelForCausalLM._model_mapping[type(config)]
+        model_class = model_loader(source, entry)._model_mapping[type(config)]
     supports = lambda flag: model_class is None or bool(getattr(model_class, flag, True))  # noqa: E731
     if device.type == "cuda" and _has_flash_attn() and supports("_supports_flash_attn"):
         return "flash_attention_2"
@@ -210,7 +226,7 @@ def lora_target_modules(model: Any, train_unembed: bool) -> list[str] | str:
     (not `modules_to_save`, which inference servers reject). On a composite model (a language
     model beside a vision or audio tower) the leaf names would match the towers' layers too,
     so the targets are a regex over the language model's module paths: the towers stay frozen
-    and untouched (text-only training; docs/semantics.md §17).
+    and untouched (text-only training; docs/semantics.md §20).
     """
     decoder = model.get_decoder()
     names = sorted(
@@ -269,17 +285,9 @@ def lora_target_parameters(model: Any) -> list[str]:
     return sorted(names)
 
 
-_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-
-
 def num_experts(model: Any) -> int | None:
     """The number of routed experts its config declares (None: a dense model)."""
-    config = architecture.text_config(model)
-    for key in _EXPERT_KEYS:
-        value = getattr(config, key, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
-            return value
-    return None
+    return architecture.describe_experts(architecture.text_config(model))
 
 
 def unwrapped(path: str) -> str:

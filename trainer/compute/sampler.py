@@ -336,7 +336,8 @@ def _generate(
         draws.append(_Draws(job, draws[-1].end if draws else 0))
     rows = [prompt for job in jobs for prompt in job.prompts for _ in range(job.num_samples)]
     input_ids, attention, positions = left_padded(rows, next(model.parameters()).device)
-    cache_kw = {_cache_kwarg(model): DynamicCache(config=model.config)}
+    config = cast(Any, model).config  # sliding and linear-attention layers get their own cache
+    cache_kw = {_cache_kwarg(model): DynamicCache(config=config)}
     calls = _Calls(model, call, draws)
     try:
         out = calls(
