@@ -1,0 +1,70 @@
+"""The load-time self-check (`trainer.compute.selfcheck.prove`): a layout that leaks across
+samples is measured and left for the next one; when none agrees, the model is refused with the
+measured differences, naming its type and features."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.models.conformance import save
+from trainer.compute import architecture, selfcheck
+from trainer.compute.architecture import PACKED, ROWS
+from trainer.compute.attention import use_packed_sdpa
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model_dir: Path = save("qwen3_5", tmp_path_factory.mktemp("qwen3_5"))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    use_packed_sdpa(model)
+    return model.eval()
+
+
+def _offer(monkeypatch: pytest.MonkeyPatch, candidates: tuple[str, ...]) -> None:
+    real = architecture.describe
+
+    def describe(model: Any) -> architecture.Architecture:
+        return dataclasses.replace(real(model), candidates=candidates)
+
+    monkeypatch.setattr(selfcheck, "describe", describe)
+
+
+def test_a_leaking_layout_moves_to_the_next(hybrid: Any, monkeypatch) -> None:
+    _offer(monkeypatch, (PACKED, ROWS))  # as if packing were thought safe for it
+    arch = selfcheck.prove(hybrid)
+    assert arch.layout == ROWS
+    assert arch.checked[PACKED] > 0.1  # the linear-attention state crossed samples
+    assert arch.checked[ROWS] <= 1e-4
+    assert architecture.of(hybrid) is arch
+
+
+def test_no_exact_layout_is_a_refusal(hybrid: Any, monkeypatch) -> None:
+    _offer(monkeypatch, (PACKED,))
+    with pytest.raises(selfcheck.ModelRefused) as info:
+        selfcheck.prove(hybrid)
+    message = str(info.value)
+    assert "model type 'qwen3_5_text'" in message and "linear_attention" in message
+    assert "packed: " in message and "tolerance 0.001" in message
+
+
+def test_probe_sequences_cross_the_smallest_window() -> None:
+    arch = architecture.Architecture(
+        model_type="t",
+        layer_types=("sliding_attention",),
+        windows=(4, 16),
+        sinks=False,
+        attn_softcap=None,
+        stateful=(),
+        head=architecture.Head(),
+        attn_implementation="eager",
+        candidates=(ROWS,),
+    )
+    assert min(selfcheck.probe_lengths(arch, None)) > 4
+    assert selfcheck.probe_lengths(arch, 6) == [6, 6, 6]
