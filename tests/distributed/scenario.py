@@ -164,3 +164,34 @@ def train_packed(resource: Any, kind: str) -> dict[str, Any]:
     }
     resource.close_session(f"{kind}-p")
     return out
+
+
+FAMILY_PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22]]
+
+
+def family_forward(resource: Any) -> dict[str, Any]:
+    """A LoRA session's forward of four 8–24-token samples in one call, its layout, and its
+    samples of two prompts of different lengths (`test_families_sharded`)."""
+    from trainer.compute.architecture import layout_of
+
+    session = resource.create_session("fam", session_spec("lora"))
+    samples = random_batch(900, n=4, lengths=(8, 24), weights="ones")
+    out = session.forward_backward(
+        LossConfig(type="LOSS_TYPE_CROSS_ENTROPY"),
+        samples,
+        forward_only=True,
+        return_loss_fn_outputs=True,
+    )
+    params = SamplingParams(max_tokens=6, seed=5, temperature=1.0)
+    prompts = [model_input(p) for p in FAMILY_PROMPTS]
+    sampled = session.sample(prompts, num_samples=1, sampling_params=params)
+    local = getattr(resource, "local", resource)  # rank 0's own resource under torchrun
+    layout = layout_of(local.model)
+    resource.close_session("fam")
+    return {
+        "tokens": [s.model_input.tokens for s in samples],
+        "targets": [s.loss_fn_inputs["target_tokens"].data for s in samples],
+        "logprobs": [o["tensors"]["logprobs"]["data"] for o in out["loss_fn_outputs"]],
+        "sampled": [r["sequences"][0] for r in sampled["results"]],
+        "layout": layout,
+    }

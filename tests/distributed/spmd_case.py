@@ -108,7 +108,22 @@ def case_muon(spmd: Spmd, store: CheckpointStore, args: argparse.Namespace) -> d
     return result
 
 
+def case_families(spmd: Spmd, store: CheckpointStore, args: argparse.Namespace) -> dict[str, Any]:
+    """Each family checkpoint under `--model-dir` (one folder each), sharded: a LoRA session's
+    multi-sample forward and its samples (`test_families_sharded` compares them with a plain
+    per-sequence forward)."""
+    from tests.distributed.scenario import family_forward
+
+    result = {}
+    for model_dir in sorted(Path(args.model_dir).iterdir()):
+        resource = DistributedResource(spmd, entry(str(model_dir)), resource_spec("lora"), store)
+        result[model_dir.name] = family_forward(resource)
+        resource.close()
+    return result
+
+
 CASES = {
+    "families": case_families,
     "train": case_train,
     "fault": case_fault,
     "attention": case_attention,
