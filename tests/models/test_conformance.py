@@ -236,3 +236,45 @@ def test_readme_table_is_generated_from_this_suite(checkpoints: Path) -> None:
     assert current(README.read_text()) == table(checkpoints), (
         "README.md's supported-models table is stale: python -m tests.models.readme_table --write"
     )
+
+
+@pytest.mark.parametrize("family", EXACT)
+def test_two_sessions_batched_samples_equal_solo(
+    family: str, checkpoints: Path, tmp_path: Path
+) -> None:
+    """Concurrent samples of two sessions run as one generation batch, each row with its
+    session's adapter, and equal each session's samples alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model_dir = _dir(checkpoints, family)
+    prompts = [model_input([5, 6, 7, 8, 9, 10, 11]), model_input([30, 31])]
+
+    def run(resource: ModelResource, together: bool) -> list[dict[str, Any]]:
+        sessions = [_trained_lora(resource, f"s{i}", 20 + i) for i in range(2)]
+        for session in sessions:
+            session.weights_sync("WEIGHT_SYNC_TYPE_SYNCHRONOUS")
+
+        def draw(i: int) -> dict[str, Any]:
+            params = SamplingParams(max_tokens=8, seed=40 + i, temperature=1.0)
+            return sessions[i].sample(prompts, num_samples=2, sampling_params=params)
+
+        if not together:
+            return [draw(i) for i in range(2)]
+        with ThreadPoolExecutor(2) as pool:
+            return list(pool.map(draw, range(2)))
+
+    want = run(
+        make_resource(model_dir, tmp_path / "solo", options=EngineOptions(batch_samples=False)),
+        False,
+    )
+    batched = make_resource(model_dir, tmp_path / "batched")
+    got = run(batched, True)
+    for g, w in zip(got, want, strict=True):
+        for gr, wr in zip(g["results"], w["results"], strict=True):
+            for gs, ws in zip(gr["sequences"], wr["sequences"], strict=True):
+                assert gs["tokens"] == ws["tokens"], family
+                torch.testing.assert_close(
+                    torch.tensor(gs["logprobs"]), torch.tensor(ws["logprobs"]), atol=1e-5, rtol=0
+                )
+    if batched.sessions["s0"].policy.segmentable:
+        assert batched.sample_batcher is not None and batched.sample_batcher.batches >= 1
