@@ -1,0 +1,62 @@
+"""LoRA targets mean what they say (docs/semantics.md §20): a conv kernel is not an expert
+stack, so dense hybrids take LoRA dropout and share passes; a composite's adapter touches its
+language model only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.engine.helpers import make_resource, random_batch
+from tests.models.conformance import save
+from trainer.compute.model import lora_target_modules, lora_target_parameters
+from trainer.contract.specs import LoraConfig, LossConfig, SessionSpec
+
+CE = LossConfig(type="cross_entropy")
+
+
+@pytest.mark.parametrize(
+    ("family", "experts"),
+    [
+        ("qwen3_5", []),  # its linear-attention conv1d kernel is 3-D, and not an expert stack
+        ("qwen3_5_moe", ["experts.down_proj", "experts.gate_up_proj"]),
+        ("gpt_oss", ["experts.down_proj", "experts.gate_up_proj"]),
+    ],
+)
+def test_expert_parameters_are_real_expert_stacks(
+    family: str, experts: list[str], tmp_path: Path
+) -> None:
+    resource = make_resource(save(family, tmp_path / family), tmp_path / "store")
+    assert lora_target_parameters(resource.model) == experts
+
+
+def test_a_dense_hybrid_trains_with_dropout_and_shares_passes(tmp_path: Path) -> None:
+    resource = make_resource(save("qwen3_5", tmp_path / "m"), tmp_path / "store")
+    config = LoraConfig(rank=4, alpha=8, dropout=0.1, seed=1)
+    session = resource.create_session("a", SessionSpec(lora_config=config))
+    assert session.policy.segmentable  # LoRA on modules only: it may share passes
+    out = session.forward_backward(CE, random_batch(3, n=3, weights="ones"))
+    assert out["loss"] > 0
+
+
+@pytest.mark.parametrize("family", ["gemma3_composite", "qwen3_5_composite"])
+def test_a_composite_adapter_targets_the_language_model_only(family: str, tmp_path: Path) -> None:
+    resource = make_resource(save(family, tmp_path / "m"), tmp_path / "store")
+    targets = lora_target_modules(resource.model, train_unembed=True)
+    assert isinstance(targets, str) and targets.startswith("^")
+    session = resource.create_session(
+        "a", SessionSpec(lora_config=LoraConfig(rank=4, seed=2, train_unembed=True))
+    )
+    record = session.save_inference_checkpoint()
+    adapter = load_file(str(record.path / "adapter" / "adapter_model.safetensors"))
+    assert adapter and all(
+        ".language_model." in key or key.startswith("base_model.model.lm_head.") for key in adapter
+    ), sorted(adapter)[:5]
+    assert any("lm_head" in key for key in adapter)
+    config = json.loads((record.path / "adapter" / "adapter_config.json").read_text())
+    assert config["target_modules"] == targets
+    towers = [n for n, _ in resource.model.named_modules() if "vision" in n or "visual" in n]
+    assert towers  # it has a vision tower, and the adapter has no key in it
