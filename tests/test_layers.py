@@ -24,6 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     # the app mounts both faces; `server` is the process around it
     "api.app": {"contract", "checkpoint", "serving", "api", "api.rl", "api.tinker"},
     "top:tiny": set(),
+    "top:tiny_families": set(),
     "top:spawn": set(),
 }
 ENTRY_POINTS = {"top:cli", "top:demo", "top:__main__", "top:__init__"}

@@ -12,8 +12,9 @@ the tokenizer's, so every sampled id decodes.
   checks that compare numbers.
 - `meta-llama/Llama-3.1-8B`, a tiny Llama with an untied head (`UNTIED_MODEL`; the two Qwen3s
   tie theirs, as Qwen3 up to 4B does), weights scaled 8x: the weight-export checks on both.
-- `Qwen/Qwen3.5-9B` (renderer `qwen3_5_disable_thinking`), weights scaled 8x under another seed,
-  4096 positions: the second base model the cookbook's recipes sample beside the one they train
+- `Qwen/Qwen3.5-9B` (renderer `qwen3_5_disable_thinking`): a tiny Gated DeltaNet hybrid like the
+  real Qwen3.5 (`trainer.tiny_families`), weights scaled 8x under another seed, 4096 positions:
+  the second base model the cookbook's recipes sample beside the one they train
   (their default distillation teacher and twenty-questions answerer, the rubric grader, whose
   `max_tokens` is 2048).
 
@@ -87,9 +88,12 @@ def build_served_model(
     arch: str = "qwen3",
     positions: int = 512,
 ) -> Path:
-    """A tiny Qwen3 (tied head) or Llama (untied) with the tokenizer's vocabulary; the
-    tokenizer saved to `tokenizer_dir` (the model's own directory, or another one that the
-    catalogue entry names)."""
+    """A tiny Qwen3 (tied head), Llama (untied) or Qwen3.5 (a Gated DeltaNet hybrid, as the
+    real Qwen3.5 is) with the tokenizer's vocabulary; the tokenizer saved to `tokenizer_dir`
+    (the model's own directory, or another one that the catalogue entry names)."""
+    build_tokenizer(tokenizer_dir)
+    if arch == "qwen3_5":
+        return _save_hybrid(out_dir, scale, seed, positions)
     spec = TinySpec(
         arch="llama" if arch == "llama" else "qwen3",
         vocab=len(VOCAB),
@@ -101,7 +105,28 @@ def build_served_model(
         max_positions=positions,
     )
     save_model(spec, out_dir, seed)
-    build_tokenizer(tokenizer_dir)
+    return out_dir
+
+
+def _save_hybrid(out_dir: Path, scale: float, seed: int, positions: int) -> Path:
+    """`trainer.tiny_families`' Qwen3.5 (linear and full attention layers) on the
+    tokenizer's vocabulary, weights scaled by `scale` under `seed`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainer.tiny_families import family_config
+
+    config = family_config("qwen3_5")
+    config.vocab_size, config.max_position_embeddings = len(VOCAB), positions
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = None, 1, 0
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() in (2, 3):
+                param.mul_(scale)
+    model.generation_config.eos_token_id = 1
+    model.save_pretrained(out_dir)
     return out_dir
 
 
@@ -119,7 +144,9 @@ def served_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         COOKBOOK_MODEL: build_served_model(cookbook, scale=1.0, seed=3, tokenizer_dir=cookbook),
         SDK_MODEL: build_served_model(sdk, scale=8.0, seed=0, tokenizer_dir=root / "tokenizer"),
         UNTIED_MODEL: build_served_model(untied, 8.0, 1, tokenizer_dir=untied, arch="llama"),
-        SECOND_MODEL: build_served_model(second, 8.0, seed=5, tokenizer_dir=second, positions=4096),
+        SECOND_MODEL: build_served_model(
+            second, 8.0, seed=5, tokenizer_dir=second, arch="qwen3_5", positions=4096
+        ),
     }
 
 
