@@ -50,6 +50,7 @@ ROWS: tuple[Row, ...] = (
     Row("phi3", PACKED_VARLEN),
     Row("deepseek_v3", PACKED_VARLEN),
     Row("glm4_moe", PACKED_VARLEN),
+    Row("qwen2", PACKED_VARLEN, note="sliding only above `max_window_layers`"),
     Row(
         "falcon_h1",
         None,
@@ -89,7 +90,36 @@ def _falcon_h1() -> Any:
     return AutoModelForCausalLM.from_config(config)
 
 
-EXTRA: dict[str, Callable[[], Any]] = {"falcon_h1": _falcon_h1}
+def _qwen2() -> Any:
+    """Qwen2 with `use_sliding_window`: layers from `max_window_layers` on slide, those below
+    attend to everything (per-layer windows read from the config)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=1,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.mul_(8.0)
+    return model
+
+
+EXTRA: dict[str, Callable[[], Any]] = {"falcon_h1": _falcon_h1, "qwen2": _qwen2}
 
 
 def save(family: str, out_dir: Path) -> Path:

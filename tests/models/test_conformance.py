@@ -267,7 +267,9 @@ def test_two_sessions_batched_samples_equal_solo(
         make_resource(model_dir, tmp_path / "solo", options=EngineOptions(batch_samples=False)),
         False,
     )
-    batched = make_resource(model_dir, tmp_path / "batched")
+    batched = make_resource(  # a generous window: both samples arrive inside it
+        model_dir, tmp_path / "batched", options=EngineOptions(merge_window_ms=500.0)
+    )
     got = run(batched, True)
     for g, w in zip(got, want, strict=True):
         for gr, wr in zip(g["results"], w["results"], strict=True):

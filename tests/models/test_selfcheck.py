@@ -68,3 +68,28 @@ def test_probe_sequences_cross_the_smallest_window() -> None:
     )
     assert min(selfcheck.probe_lengths(arch, None)) > 4
     assert selfcheck.probe_lengths(arch, 6) == [6, 6, 6]
+
+
+def test_a_catalogue_entry_chooses_the_attention(tmp_path: Path) -> None:
+    """`attn_implementation` overrides the default: Qwen3 with eager attention packs its
+    samples with the block-diagonal mask, and the check proves that path too."""
+    from trainer.compute.model import load_base_model
+    from trainer.contract.specs import ModelEntry
+
+    model_dir = save("qwen3", tmp_path / "qwen3")
+    entry = ModelEntry(name="q", location=str(model_dir), attn_implementation="eager")
+    model, _ = load_base_model(entry, torch.device("cpu"))
+    arch = architecture.of(model)
+    assert arch.path() == "packed, block mask (eager)" and arch.checked[PACKED] <= 1e-4
+
+
+def test_an_attention_the_model_refuses_is_an_error_naming_it(tmp_path: Path) -> None:
+    from trainer.compute.model import load_base_model
+    from trainer.contract.specs import ModelEntry
+
+    model_dir = save("gpt_oss", tmp_path / "gpt_oss")
+    entry = ModelEntry(name="g", location=str(model_dir), attn_implementation="sdpa")
+    with pytest.raises(
+        ValueError, match=r"attn_implementation: gpt_oss .* does not support .sdpa."
+    ):
+        load_base_model(entry, torch.device("cpu"))

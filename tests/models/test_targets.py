@@ -60,3 +60,15 @@ def test_a_composite_adapter_targets_the_language_model_only(family: str, tmp_pa
     assert config["target_modules"] == targets
     towers = [n for n, _ in resource.model.named_modules() if "vision" in n or "visual" in n]
     assert towers  # it has a vision tower, and the adapter has no key in it
+
+
+def test_a_later_session_on_a_plain_model_keeps_plain_targets(tmp_path: Path) -> None:
+    """The first session's LoRA wrappers on the head are not a tower: the next session's
+    targets are still the leaf names (a list), not a composite's regex."""
+    resource = make_resource(save("qwen3", tmp_path / "m"), tmp_path / "store")
+    for name in ("a", "b"):
+        config = LoraConfig(rank=4, seed=3, train_unembed=True)
+        session = resource.create_session(name, SessionSpec(lora_config=config))
+        record = session.save_inference_checkpoint()
+        saved = json.loads((record.path / "adapter" / "adapter_config.json").read_text())
+        assert isinstance(saved["target_modules"], list) and "lm_head" in saved["target_modules"]

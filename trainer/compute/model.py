@@ -97,6 +97,8 @@ def load_base_model(
     with COMPUTE_LOCK:
         loader = model_loader(source, entry)
         attn = entry.attn_implementation or default_attention(source, device, entry)
+        if entry.attn_implementation is not None:
+            check_attention(source, entry)
         model = loader.from_pretrained(
             source,
             dtype=dtype,
@@ -192,6 +194,32 @@ def model_loader(source: str, entry: ModelEntry) -> Any:
     return AutoModelForCausalLM
 
 
+_SUPPORT_FLAGS = {
+    "sdpa": "_supports_sdpa",
+    "flash_attention_2": "_supports_flash_attn",
+    "flash_attention_3": "_supports_flash_attn",
+    "flex_attention": "_supports_flex_attn",
+}
+
+
+def check_attention(source: str, entry: ModelEntry) -> None:
+    """A catalogue entry's `attn_implementation` that the model's class does not support is
+    an error naming the field, before anything loads."""
+    from transformers import AutoConfig
+
+    attn = str(entry.attn_implementation)
+    config = AutoConfig.from_pretrained(source, trust_remote_code=entry.trust_remote_code)
+    flag = _SUPPORT_FLAGS.get(attn)
+    model_class: Any = None
+    with contextlib.suppress(KeyError, ValueError):  # remote code: transformers checks it
+        model_class = model_loader(source, entry)._model_mapping[type(config)]
+    if model_class is not None and flag is not None and not getattr(model_class, flag, True):
+        raise ValueError(
+            f"attn_implementation: {config.model_type} ({model_class.__name__}) does not "
+            f"support {attn!r}; leave it unset to use the fastest it supports exactly"
+        )
+
+
 def default_attention(source: str, device: torch.device, entry: ModelEntry) -> str:
     """The fastest attention the model's class supports: FlashAttention-2 on CUDA when
     installed, else SDPA (made varlen by `use_packed_sdpa`), else eager. Attention that
@@ -254,10 +282,11 @@ def _decoder_path(model: Any) -> str | None:
 def _has_other_towers(model: Any, decoder_path: str) -> bool:
     """Whether linear layers live outside the decoder and the output head (a vision tower,
     a multimodal projector)."""
-    head = model.get_output_embeddings()
+    head = _head_attr(model)
     for name, module in model.named_modules():
-        inside = name == decoder_path or name.startswith(decoder_path + ".")
-        if _is_linear(module) and not inside and module is not head:
+        # the decoder, and the head with what peft puts in it (`base_layer`, `lora_A`, ...)
+        inside = any(name == p or name.startswith(p + ".") for p in (decoder_path, head))
+        if _is_linear(module) and not inside:
             return True
     return False
 

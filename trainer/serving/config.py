@@ -145,6 +145,7 @@ MODEL_FLAG_KEYS = (
     "max_tokens_per_call",
     "dtype",
     "tokenizer",
+    "attn_implementation",
     "revision",
     "trust_remote_code",
 )
