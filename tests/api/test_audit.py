@@ -19,6 +19,7 @@ from team_helpers import team
 
 from tests.tinker import tinker_http as th
 from trainer.api.audit import audited, mounted_routes
+from trainer.serving import audit_log
 from trainer.serving.audit_log import AuditLog
 
 CE = {"type": "LOSS_TYPE_CROSS_ENTROPY"}
@@ -171,7 +172,7 @@ def test_each_mutating_route_of_both_faces_writes_one_line(
         note(files, f"{rl}/checkpoints/{{checkpoint_id}}/download", "alice")
         signed = files.json()["data"][0]["url"]
         file_route = f"{rl}/files/checkpoints/{{checkpoint_id}}/{{variant}}/{{filename}}"
-        note(httpx.get(signed), file_route, None)  # a signed URL carries no key
+        note(httpx.get(signed), file_route, "alice")  # no key: the user the URL was issued to
         upload = http.post(f"/rl/training-sessions/{sid}/payloads/upload-url")
         note(upload, f"{rl}/training-sessions/{{session_id}}/payloads/upload-url", "alice")
         put_url, pid = upload.json()["upload_url"], upload.json()["payload_id"]
@@ -179,7 +180,7 @@ def test_each_mutating_route_of_both_faces_writes_one_line(
         note(
             httpx.put(put_url, content=payload),
             f"{rl}/payloads/{{session_id}}/{{payload_id}}",
-            None,
+            "alice",
         )
         down = http.post(f"/rl/training-sessions/{sid}/payloads/{pid}/download-url")
         template = f"{rl}/training-sessions/{{session_id}}/payloads/{{payload_id}}/download-url"
@@ -187,7 +188,7 @@ def test_each_mutating_route_of_both_faces_writes_one_line(
         note(
             httpx.get(down.json()["download_url"]),
             f"{rl}/payloads/{{session_id}}/{{payload_id}}",
-            None,
+            "alice",
         )
         note(http.post(f"/rl/training-sessions/{sid}/stop"), f"{ops[:-11]}/stop", "alice")
     with server.client(keys["bob"]) as http:
@@ -344,3 +345,37 @@ def test_the_trail_survives_a_restart(tiny_qwen_dir: Path, tmp_path: Path) -> No
             http.post("/rl/model-resources", json={"base_model": "no-such-model"})
     written = lines(storage)
     assert [e["seq"] for e in written] == [1, 2] and {e["user"] for e in written} == {"bob"}
+
+
+def test_a_short_write_is_truncated_back_and_loses_no_later_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk that takes half a line: the half is cut back off, so the next line (once
+    there is space) is whole and read; before, it was glued onto the fragment and lost."""
+    log = AuditLog(tmp_path, max_bytes=1 << 20, keep=2)
+    entry = {"user": "alice", "method": "POST", "route": "/r", "ids": {}, "status": 200}
+    log.append(entry)
+    real_write = audit_log.os.write
+    monkeypatch.setattr(audit_log.os, "write", lambda fd, data: real_write(fd, data[:20]))
+    log.append({**entry, "user": "mallory"})  # the disk fills mid-line
+    monkeypatch.setattr(audit_log.os, "write", real_write)
+    log.append({**entry, "user": "bob"})  # space again
+    text = (tmp_path / "audit.jsonl").read_text()
+    assert [json.loads(line)["user"] for line in text.splitlines()] == ["alice", "bob"]
+    assert [e["user"] for e in log.page(10)[0]] == ["bob", "alice"] and log.dropped == 1
+
+
+def test_a_damaged_line_is_skipped_and_reported_not_the_next(tmp_path: Path) -> None:
+    """A fragment a crash left (no final newline): a line appended after it starts on its
+    own; a line glued onto one (a file written before) is still read; both are counted."""
+    path = tmp_path / "audit.jsonl"
+    line = {"user": "alice", "method": "POST", "route": "/r", "ids": {}, "status": 200}
+    path.write_text(
+        json.dumps({"seq": 1, **line}) + "\n" + '{"seq": 2, "us' + json.dumps({"seq": 3, **line})
+    )
+    path.write_text(path.read_text() + "\n" + '{"seq": 4, "user": "al')  # a crash mid-write
+    log = AuditLog(tmp_path, max_bytes=1 << 20, keep=2)
+    log.append({**line, "user": "bob"})
+    entries, more, damaged = log.page_report(10)
+    assert [e["seq"] for e in entries] == [4, 3, 1] and not more  # seq 4 was never written
+    assert damaged == 2 and entries[0]["user"] == "bob"

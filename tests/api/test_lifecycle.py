@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -301,17 +302,19 @@ def _lora(response: httpx.Response) -> dict[str, Any]:
 def test_resumed_session_reports_its_checkpoint_lora_config(
     tiny_qwen_dir: Path, tmp_path: Path
 ) -> None:
-    storage = tmp_path / "storage"
+    storage, roots = tmp_path / "storage", tmp_path / "roots"
     entry = {"name": "tiny-qwen", "location": str(tiny_qwen_dir)}
     trained = {"rank": 4, "alpha": 8, "dropout": 0.0, "train_unembed": False}
-    with serve_in_thread(storage, {}, model=[entry]) as live, live.client() as http:
+    served = {"model": [entry], "resume_roots": [roots]}
+    with serve_in_thread(storage, {}, **served) as live, live.client() as http:
         rid = new_resource(http, "tiny-qwen")
         sid = running_session(http, rid, lora_config={**trained, "seed": 1})
         training = run_op(http, sid, "training-checkpoint", {})["output"]["checkpoint"]["id"]
         inference = run_op(http, sid, "inference-checkpoint", {})["output"]["checkpoint"]["id"]
         record = live.worker.checkpoints.get(inference)
         assert record is not None
-        adapter_dir = record.path / "adapter"
+        adapter_dir = roots / "adapter"  # a copy: the storage's own is named by id only
+        shutil.copytree(record.path / "adapter", adapter_dir)
         cases = [
             {"resume_from_checkpoint_id": training},
             {"resume_from_checkpoint_id": training, "lora_config": {"rank": 16, "alpha": 3}},
@@ -331,7 +334,9 @@ def test_resumed_session_reports_its_checkpoint_lora_config(
 
     # the same storage under a lower max_lora_rank: the checkpoint's rank is what is checked
     with (
-        serve_in_thread(storage, {}, model=[{**entry, "max_lora_rank": 2}]) as live,
+        serve_in_thread(
+            storage, {}, model=[{**entry, "max_lora_rank": 2}], resume_roots=[roots]
+        ) as live,
         live.client() as http,
     ):
         rid = new_resource(http, "tiny-qwen")

@@ -219,9 +219,16 @@ def test_resume_reads_no_directory_outside_storage(limited: Any, tmp_path: Path)
         )
         assert response.status_code == 400, (location, response.text)
         assert response.json()["error"]["param"] == "resume_from_hf_checkpoint"
+    # the storage's own checkpoints are named by id, never by their directory
     ckpt = output(http, sid, "inference-checkpoint")["checkpoint"]["id"]
     inside = live.storage / "checkpoints" / ckpt / "adapter"
-    resumed = new_session(http, rid, resume_from_hf_checkpoint=str(inside))
+    refused = http.post(
+        "/rl/training-sessions",
+        json={"model_resources_id": rid, "resume_from_hf_checkpoint": str(inside)},
+    )
+    assert refused.status_code == 400, refused.text
+    assert "resume_from_checkpoint_id" in refused.json()["error"]["message"]
+    resumed = new_session(http, rid, resume_from_checkpoint_id=ckpt)
     assert http.post(f"/rl/training-sessions/{resumed}/stop").status_code == 200
 
 

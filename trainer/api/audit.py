@@ -11,8 +11,9 @@ Not audited: the reads that the Tinker SDK sends as POSTs (`TINKER_READS`: futur
 telemetry, info, client config), `POST /v1/rl/model-resources/estimate-cost` (computes, changes
 nothing), every other GET, and the Tinker face's catch-all for routes it does not serve.
 
-A line holds `seq`, `time` (Unix seconds), `user` (the key's user; null for a request refused
-before its key was known, and for a signed-URL download, which carries no key), `method`,
+A line holds `seq`, `time` (Unix seconds), `user` (the key's user; for a signed-URL upload or
+download, which carries no key, the user the URL was issued to; null for a request refused
+before its key or a valid signature was known), `method`,
 `route` (the route template, e.g. `/v1/rl/training-sessions/{session_id}/stop`), `ids` (the
 path parameters), `created` (the id a create answered with, when its answer is a small JSON
 object naming one), `status` (the HTTP status) and `request_id` (the client's `X-Request-Id`,
@@ -151,7 +152,7 @@ def _entry(scope: Scope, path: str, status: int, answer: bytes) -> dict[str, Any
     headers = dict(scope.get("headers") or [])
     request_id = headers.get(b"x-request-id", b"").decode("latin-1")
     return {
-        "user": principal.user if isinstance(principal, Principal) else None,
+        "user": principal.user if isinstance(principal, Principal) else _signed_user(scope),
         "method": scope["method"],
         "route": path,
         "ids": ids,
@@ -159,6 +160,12 @@ def _entry(scope: Scope, path: str, status: int, answer: bytes) -> dict[str, Any
         "status": status,
         "request_id": request_id if _REQUEST_ID.fullmatch(request_id) else None,
     }
+
+
+def _signed_user(scope: Scope) -> str | None:
+    """The user a signed URL was issued to (`http.verify_signed`), for a call without a key."""
+    user = scope.get("state", {}).get("signed_user")
+    return user if isinstance(user, str) else None
 
 
 def _created(answer: bytes, known: set[str]) -> str | None:
@@ -218,11 +225,12 @@ async def read_audit(request: Request) -> dict[str, Any]:
     if user is not None and not USER_PATTERN.fullmatch(user):
         raise bad_request("user: not a user id (1-64 letters, digits, '_', '.', '@', '-')", "user")
     log: AuditLog = request.app.state.audit
-    entries, more = await run_in_threadpool(log.page, limit or 100, before, user)
+    entries, more, damaged = await run_in_threadpool(log.page_report, limit or 100, before, user)
     return {
         "data": entries,
         "has_more": more,
         "next_before": entries[-1]["seq"] if more else None,
+        "damaged_lines": damaged,  # lines skipped on the way (cut short by a crash)
     }
 
 

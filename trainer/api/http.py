@@ -11,6 +11,7 @@ from trainer.contract.values import parse_int_text
 from trainer.serving.bodies import read_json
 from trainer.serving.errors import ApiError, bad_request
 from trainer.serving.jsonparse import Bounds
+from trainer.serving.tenants import Principal
 from trainer.serving.worker import Worker
 
 # a checkpoint file behind a signed URL (served by the RL face, linked from both faces)
@@ -40,17 +41,31 @@ def base_url(request: Request) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def verify_signed(request: Request, method: str) -> None:
-    """Refuse (403) a signed-URL request whose signature is missing, wrong or expired."""
+def verify_signed(request: Request, method: str) -> Principal | None:
+    """Refuse (403) a signed-URL request whose signature is missing, wrong or expired. The
+    user the URL was issued to (None: a URL from before users were signed in), for the route's
+    ownership check; the audit trail records it as the request's user."""
     query = request.query_params
+    user = query.get("user")
     reason = request.app.state.signer.verify(
-        method, request.url.path, query.get("expires"), query.get("sig")
+        method, request.url.path, query.get("expires"), query.get("sig"), user=user
     )
     if reason is not None:
         param = refused_param(reason)
         raise ApiError(
             403, f"{param}: signed URL refused: {reason}", param=param, code="invalid_signature"
         )
+    if user is None:
+        return None
+    request.state.signed_user = user
+    return worker_of(request).principals(user) or Principal(user)
+
+
+def sign_for(request: Request, method: str, path: str, who: Principal) -> str:
+    """A signed URL of `path` pointing at this worker, issued to `who`."""
+    signer = request.app.state.signer
+    url: str = signer.sign(base_url(request), method, path, user=who.user)
+    return url
 
 
 def parse_limit(raw: str | None, default: int = 20) -> int:

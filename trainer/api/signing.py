@@ -2,8 +2,11 @@
 
 The SDK fetches checkpoint files and uploads/downloads large payloads at "presigned" URLs it
 treats as opaque. The worker serves them itself: the query string carries `expires` (epoch
-seconds) and `sig` = HMAC-SHA256(secret, "METHOD\\npath\\nexpires"), so a URL only works for
-the method and path it was issued for, and only until it expires.
+seconds), `user` (the user it was issued to, who owns the object) and `sig` =
+HMAC-SHA256(secret, "METHOD\\npath\\nexpires\\nuser"), so a URL only works for the method and
+path it was issued for, on behalf of that user, and only until it expires. The route checks
+that the user still owns the object (`trainer.serving.ownership`) and the audit trail names
+the user. (URLs signed without a user, before users were recorded, still verify as they were.)
 
 The secret lives in `<storage>/signing.key` (created once, mode 0600), so URLs stay valid
 across restarts until they expire.
@@ -29,6 +32,7 @@ KEY_FILE = "signing.key"
 _KEY_BYTES = 32
 _EXPIRES = re.compile(r"[0-9]{1,20}", re.ASCII)  # epoch seconds; 20 digits hold any uint64
 _SIG = re.compile(r"[0-9a-f]{64}", re.ASCII)  # hex HMAC-SHA256
+_USER = re.compile(r"[A-Za-z0-9_.@-]{1,64}", re.ASCII)  # a user id (`keys.USER_PATTERN`)
 
 
 def _read_key(path: Path) -> bytes | None:
@@ -88,23 +92,42 @@ class UrlSigner:
         """A signer whose secret persists in `storage/signing.key`."""
         return cls(load_or_create_key(storage / KEY_FILE), ttl_s)
 
-    def _mac(self, method: str, path: str, expires: int) -> str:
-        message = f"{method.upper()}\n{path}\n{expires}".encode()
-        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
+    def _mac(self, method: str, path: str, expires: int, user: str | None = None) -> str:
+        message = f"{method.upper()}\n{path}\n{expires}"
+        if user is not None:
+            message += f"\n{user}"
+        return hmac.new(self._secret, message.encode(), hashlib.sha256).hexdigest()
 
-    def sign(self, base_url: str, method: str, path: str, now: float | None = None) -> str:
-        """Absolute URL for the (decoded) `path`, valid for `ttl_s` seconds."""
+    def sign(
+        self,
+        base_url: str,
+        method: str,
+        path: str,
+        now: float | None = None,
+        user: str | None = None,
+    ) -> str:
+        """Absolute URL for the (decoded) `path`, valid for `ttl_s` seconds, issued to `user`."""
         expires = int((time.time() if now is None else now) + self.ttl_s)
-        query = urlencode({"expires": expires, "sig": self._mac(method, path, expires)})
-        return f"{base_url.rstrip('/')}{quote(path, safe='/')}?{query}"
+        fields: dict[str, str | int] = {"expires": expires}
+        if user is not None:
+            fields["user"] = user
+        fields["sig"] = self._mac(method, path, expires, user)
+        return f"{base_url.rstrip('/')}{quote(path, safe='/')}?{urlencode(fields)}"
 
     def verify(
-        self, method: str, path: str, expires: str | None, sig: str | None, now: float | None = None
+        self,
+        method: str,
+        path: str,
+        expires: str | None,
+        sig: str | None,
+        now: float | None = None,
+        user: str | None = None,
     ) -> str | None:
         """None when valid, else the reason the URL is refused (see `refused_param`).
 
-        `expires` and `sig` are whatever the client sent: only ASCII digits (at most 20) and
-        64 lowercase hex digits get as far as `int()` and the constant-time comparison.
+        `expires`, `sig` and `user` are whatever the client sent: only ASCII digits (at most
+        20), 64 lowercase hex digits and a user id get as far as `int()` and the constant-time
+        comparison.
         """
         if not expires or not sig:
             return "missing signature"
@@ -112,9 +135,9 @@ class UrlSigner:
             return "malformed expiry"
         if int(expires) < (time.time() if now is None else now):
             return "URL expired"
-        if not _SIG.fullmatch(sig):
+        if not _SIG.fullmatch(sig) or (user is not None and not _USER.fullmatch(user)):
             return "bad signature"
-        if not hmac.compare_digest(self._mac(method, path, int(expires)), sig):
+        if not hmac.compare_digest(self._mac(method, path, int(expires), user), sig):
             return "bad signature"
         return None
 

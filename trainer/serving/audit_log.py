@@ -6,10 +6,15 @@ Once the file would pass `max_bytes` it is renamed `audit.jsonl.1` (the older on
 `.2`, ... and the one past `keep` is deleted), and a new `audit.jsonl` starts.
 
 Appends are serialised by a lock and written with one `write` of the whole line on a file
-opened with O_APPEND, so concurrent requests never interleave lines. A write that fails (a full
+opened with O_APPEND, so concurrent requests never interleave lines. A line is written whole or
+not at all: it is fsynced, and a short write (a full disk) is truncated back to where the line
+began, so no fragment is left for the next line to be glued onto. A write that fails (a full
 disk, a read-only mount) is logged and dropped: the request it records has already been
-answered, and the audit never turns it into an error. A line cut short by a crash is skipped
-when reading.
+answered, and the audit never turns it into an error. A file that does not end with a newline
+(a crash mid-write) gets one before the next line, so that line starts on its own.
+
+Reading skips a damaged line (cut short by a crash, or not ours) and counts it (`damaged` of a
+page, and a warning in the log); a complete line glued onto a fragment is still read.
 
 Reading (`page`) goes newest first: from the end of `audit.jsonl` backwards, then through
 `.1`, `.2`, ...; a page continues strictly before the `seq` its predecessor ended at.
@@ -17,6 +22,7 @@ Reading (`page`) goes newest first: from the end of `audit.jsonl` backwards, the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -32,8 +38,8 @@ FILE_NAME = "audit.jsonl"
 _BLOCK = 64 * 1024
 
 
-def _lines_backwards(path: Path) -> Iterator[bytes]:
-    """The complete lines of a file, last first (a trailing partial line is skipped too)."""
+def _lines_backwards(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(offset, line) of the lines of a file, last first."""
     try:
         handle = path.open("rb")
     except FileNotFoundError:
@@ -48,19 +54,37 @@ def _lines_backwards(path: Path) -> Iterator[bytes]:
             end = start
             lines = block.split(b"\n")
             tail = lines.pop(0)  # may continue in the previous block
-            for line in reversed(lines):
+            offset = start + len(tail) + 1
+            starts = []
+            for line in lines:
+                starts.append(offset)
+                offset += len(line) + 1
+            for at, line in zip(reversed(starts), reversed(lines), strict=True):
                 if line:
-                    yield line
+                    yield at, line
         if tail:
-            yield tail
+            yield 0, tail
 
 
-def _parse(line: bytes) -> dict[str, Any] | None:
+_START = b'{"seq": '
+
+
+def _parse_one(line: bytes) -> dict[str, Any] | None:
     try:
         entry = json.loads(line)
     except ValueError:  # cut short by a crash, or not ours
         return None
     return entry if isinstance(entry, dict) and isinstance(entry.get("seq"), int) else None
+
+
+def _parse(line: bytes) -> tuple[dict[str, Any] | None, bool]:
+    """(the entry of a line, whether the line was damaged). A line written after a fragment
+    that a crash left (before lines were truncated back) is found at its own start."""
+    entry = _parse_one(line)
+    if entry is not None:
+        return entry, False
+    start = line.rfind(_START)
+    return (_parse_one(line[start:]) if start > 0 else None), True
 
 
 class AuditLog:
@@ -71,6 +95,7 @@ class AuditLog:
         self._lock = threading.Lock()
         self._seq = self._last_seq()
         self.dropped = 0  # lines a failing write lost
+        self.reported: set[tuple[str, int]] = set()  # damaged lines already logged
 
     def _files(self) -> list[Path]:
         """Newest first: audit.jsonl, audit.jsonl.1, ..."""
@@ -79,8 +104,8 @@ class AuditLog:
 
     def _last_seq(self) -> int:
         for path in self._files():
-            for line in _lines_backwards(path):
-                entry = _parse(line)
+            for _, line in _lines_backwards(path):
+                entry, _ = _parse(line)
                 if entry is not None:
                     return int(entry["seq"])
         return 0
@@ -93,13 +118,7 @@ class AuditLog:
             data = line.encode()
             try:
                 self._rotate_for(len(data))
-                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-                try:
-                    written = os.write(fd, data)
-                finally:
-                    os.close(fd)
-                if written != len(data):
-                    raise OSError(f"short write ({written} of {len(data)} bytes)")
+                _append_whole(self.path, data)
             except OSError as exc:
                 self.dropped += 1
                 log.error("audit: line %d not written (%s); %d lost", seq, exc, self.dropped)
@@ -124,23 +143,62 @@ class AuditLog:
     ) -> tuple[list[dict[str, Any]], bool]:
         """Up to `limit` entries, newest first, with `seq < before` (all when None) and of
         `user` (all when None); and whether older ones remain."""
+        entries, more, _ = self.page_report(limit, before, user)
+        return entries, more
+
+    def page_report(
+        self, limit: int, before: int | None = None, user: str | None = None
+    ) -> tuple[list[dict[str, Any]], bool, int]:
+        """`page`, and how many damaged lines were skipped on the way."""
         found: list[dict[str, Any]] = []
-        for entry in self._entries_backwards():
+        damaged = [0]
+        for entry in self._entries_backwards(damaged):
             if before is not None and entry["seq"] >= before:
                 continue
             if user is not None and entry.get("user") != user:
                 continue
             if len(found) == limit:
-                return found, True
+                return found, True, damaged[0]
             found.append(entry)
-        return found, False
+        return found, False, damaged[0]
 
-    def _entries_backwards(self) -> Iterator[dict[str, Any]]:
+    def _entries_backwards(self, damaged: list[int]) -> Iterator[dict[str, Any]]:
         last = None
         for path in self._files():
-            for line in _lines_backwards(path):
-                entry = _parse(line)
+            for offset, line in _lines_backwards(path):
+                entry, broken = _parse(line)
+                if broken:
+                    damaged[0] += 1
+                    self._report(path, offset, entry)
                 # a rotation between two files' reads could show a line twice: seq only falls
                 if entry is not None and (last is None or entry["seq"] < last):
                     last = entry["seq"]
                     yield entry
+
+    def _report(self, path: Path, offset: int, recovered: dict[str, Any] | None) -> None:
+        if (path.name, offset) in self.reported:
+            return
+        self.reported.add((path.name, offset))
+        kept = f"; line {recovered['seq']} after it read" if recovered is not None else ""
+        log.warning("audit: a damaged line at byte %d of %s skipped%s", offset, path.name, kept)
+
+
+def _append_whole(path: Path, data: bytes) -> None:
+    """Append `data` whole or not at all: fsynced; a short or failed write is truncated back
+    to where it began (and raises). A file left without a final newline gets one first."""
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        start = os.fstat(fd).st_size
+        if start and os.pread(fd, 1, start - 1) != b"\n":
+            data = b"\n" + data  # a fragment a crash left stays a line of its own
+        try:
+            written = os.write(fd, data)
+            if written != len(data):
+                raise OSError(f"short write ({written} of {len(data)} bytes)")
+            os.fsync(fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, start)
+            raise
+    finally:
+        os.close(fd)

@@ -3,13 +3,13 @@
 Ids become file names (checkpoint directories, payload files) and catalogue keys, so they keep
 to one safe alphabet: no `/`, no leading `.`, no `..` segment, bounded length. A path parameter
 outside it is a 400 naming the parameter, so no path built from a client string can leave the
-storage directory.
+storage directory. (`resume_from_hf_checkpoint`, the one body field that names a local
+directory, is checked in `trainer.serving.resume`.)
 """
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from fastapi import Request
 
@@ -34,27 +34,3 @@ async def check_path_ids(request: Request) -> None:
                 name,
                 "invalid_id",
             )
-
-
-_LOCAL_PREFIXES = ("/", "./", "../", "~", ".\\")
-
-
-def check_resume_location(location: str, roots: list[Path]) -> None:
-    """`resume_from_hf_checkpoint` may name a hub repo, or a local directory inside `roots`
-    (the storage directory and the configured `resume_roots`), never any other local path."""
-    field = "resume_from_hf_checkpoint"
-    try:  # NUL, names past NAME_MAX, unreadable parents, symlink loops: the client's value
-        path = Path(location).expanduser()
-        if not (location.startswith(_LOCAL_PREFIXES) or path.exists() or ".." in path.parts):
-            return  # a hub id such as org/name (or hf://org/name)
-        resolved = path.resolve()
-    except (OSError, ValueError, RuntimeError) as exc:
-        message = f"{field}: cannot use {location[:200]!r} as a location: {exc}"
-        raise bad_request(message, field) from None
-    if not any(resolved.is_relative_to(root.resolve()) for root in roots):
-        raise bad_request(
-            f"{field}: the local directory {location!r} is outside the directories this worker "
-            "may read (its storage directory and `resume_roots`); give a hub id, or configure "
-            "the directory in `resume_roots`",
-            field,
-        )

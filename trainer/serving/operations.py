@@ -170,6 +170,33 @@ def vocab_size_of(worker: Worker, base_model: str) -> int | None:
     return None
 
 
+_ABSENT = object()
+
+
+def has_tokenizer(worker: Worker, base_model: str) -> bool | None:
+    """Whether the model a loaded resource serves for `base_model` has a tokenizer; None while
+    none has loaded (the engine then checks what needs one)."""
+    with worker.resources.lock:
+        lives = list(worker.resources.live.values())
+    for live in lives:
+        if live.entry.name == base_model and live.engine is not None:
+            tokenizer = getattr(live.engine, "tokenizer", _ABSENT)
+            return None if tokenizer is _ABSENT else tokenizer is not None
+    return None
+
+
+def _check_stop_strings(body: Any, entry: ModelEntry, tokenizer: bool | None) -> None:
+    """Stop strings are matched on decoded text: a model without a tokenizer refuses them at
+    the door (a 400 naming the field), not in the queued operation."""
+    params = getattr(body, "sampling_params", None)
+    if tokenizer is False and params is not None and params.stop:
+        raise bad_request(
+            f"sampling_params.stop: stop strings need a tokenizer and {entry.name} has none; "
+            "stop on token ids instead",
+            "sampling_params.stop",
+        )
+
+
 def validated_call(
     spec: Operation,
     body: dict[str, Any],
@@ -177,13 +204,15 @@ def validated_call(
     optimizer_config: dict[str, Any] | None = None,
     vocab_size: int | None = None,
     extra: dict[str, Any] | None = None,
+    tokenizer: bool | None = None,
 ) -> EngineCall:
-    """A body checked against its model (and vocabulary, where known) and type, turned into
-    the call the worker queues (with `extra` keyword arguments: `Operation.call`)."""
+    """A body checked against its model (and vocabulary and tokenizer, where known) and type,
+    turned into the call the worker queues (with `extra` keyword arguments: `Operation.call`)."""
     try:
         parsed = spec.body.model_validate(body)
     except ValidationError as exc:
         raise from_pydantic(exc) from None
+    _check_stop_strings(parsed, entry, tokenizer)
     if spec.check is not None:
         spec.check(parsed, entry, vocab_size)
     if spec.check_optimizer is not None:
@@ -231,4 +260,5 @@ def prepare_call(
     if entry is None:
         raise bad_request("the session's base model is no longer served", "session_id")
     config = resource.spec.get("optimizer_config") if resource is not None else None
-    return validated_call(spec, body, entry, config, vocab_size_of(worker, entry.name), extra)
+    vocab, tokenizer = vocab_size_of(worker, entry.name), has_tokenizer(worker, entry.name)
+    return validated_call(spec, body, entry, config, vocab, extra, tokenizer)

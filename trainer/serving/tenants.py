@@ -42,12 +42,21 @@ LOCAL = Principal(LOCAL_USER, admin=True)
 """The one user of a worker without a keys file (its single token, or no auth)."""
 
 
+QUOTA_PREFIX = "quota "
+"""How every quota refusal's message starts (`over_quota`, the storage quota of a save)."""
+
+
+def is_quota_refusal(message: str) -> bool:
+    """Whether a failure's message is a user's quota reached (the user's to act on)."""
+    return message.startswith(QUOTA_PREFIX)
+
+
 def over_quota(name: str, limit: int, used: int, unit: str = "") -> ApiError:
     """A quota reached: a 429 naming the quota, its limit and the current use."""
     return ApiError(
         429,
-        f"quota {name} reached: {used}{unit} in use of {limit}{unit}; stop or delete something "
-        "first",
+        f"{QUOTA_PREFIX}{name} reached: {used}{unit} in use of {limit}{unit}; stop or delete "
+        "something first",
         param=name,
         code="quota_exceeded",
     )

@@ -8,7 +8,6 @@ Blocking calls (engine work, joins) are made from worker threads, never the even
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import threading
 import time
@@ -16,14 +15,12 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint.base_weights import FIELD, RefError, shown_ref
-from trainer.checkpoint.export import ENCRYPTED_EXPORT, stored_encrypted
 from trainer.checkpoint.store import CheckpointCorrupt, CheckpointRecord, CheckpointStore
 from trainer.contract.errors import OperationError
-from trainer.contract.specs import LoraConfig, ModelEntry, ResourceSpec, SessionSpec
+from trainer.contract.specs import LoraConfig, ResourceSpec, SessionSpec
 from trainer.serving.catalogue import (
     OP_FAILED,
     RES_ERROR,
@@ -44,12 +41,14 @@ from trainer.serving.catalogue import (
 from trainer.serving.config import ServeConfig
 from trainer.serving.engine_protocols import EngineResource, EngineSession, load_resource
 from trainer.serving.errors import ApiError, bad_request, failed_precondition, not_found
-from trainer.serving.ids import SAFE_ID, check_resume_location, is_safe_id
+from trainer.serving.ids import SAFE_ID, is_safe_id
 from trainer.serving.lifecycle import Loader, ResourceManager, at_capacity, error_body
+from trainer.serving.ownership import owned, visible
 from trainer.serving.payloads import PayloadFiles, offload_result
 from trainer.serving.queues import Job, OperationLog, SessionQueue, op_error
 from trainer.serving.requests import CreateSessionBody, check_lora, overlay_metadata
-from trainer.serving.tenants import LOCAL, Principal, over_quota
+from trainer.serving.resume import checked_resume
+from trainer.serving.tenants import LOCAL, QUOTA_PREFIX, Principal, over_quota
 from trainer.serving.users import acting_user
 
 log = logging.getLogger(__name__)
@@ -72,23 +71,6 @@ def _check_ident(ident: str | None) -> None:
     """Caller-chosen ids (preloads) become file names: keep them to a safe alphabet."""
     if ident is not None and not is_safe_id(ident):
         raise bad_request(f"id: {ident!r} must match {SAFE_ID.pattern}", "id")
-
-
-def _check_adapter_rank(location: str, entry: ModelEntry) -> None:
-    """A local PEFT adapter's rank against the limit before anything is recorded (a hub
-    adapter is checked by the engine once downloaded)."""
-    field = "resume_from_hf_checkpoint"
-    config = Path(location).expanduser() / "adapter_config.json"
-    try:
-        rank = json.loads(config.read_text()).get("r")
-    except (OSError, ValueError, AttributeError):
-        return  # not a local adapter (or unreadable): the engine reports it
-    if isinstance(rank, int) and rank > entry.max_lora_rank:
-        raise bad_request(
-            f"{field}: the adapter at {location!r} has LoRA rank {rank}, over max_lora_rank "
-            f"{entry.max_lora_rank} of {entry.name}",
-            field,
-        )
 
 
 def _effective_lora(session: EngineSession, fallback: Any) -> Any:
@@ -153,7 +135,7 @@ class Worker:
         ref = spec.base_weights_ref
         if ref:  # another user's checkpoint reads as no checkpoint at all
             record = self.checkpoints.get(ref)
-            if record is not None and not self.sees_checkpoint(who, record):
+            if record is not None and not visible(who, self.checkpoint_owner(record)):
                 missing = RefError(f"no checkpoint {shown_ref(ref)} on this worker")
                 raise bad_request(str(missing), FIELD)
         limit = who.quotas.max_resources
@@ -196,10 +178,15 @@ class Worker:
         """The resource's row; with `who`, only one `who` may see (its own, any for an admin,
         a `shared` one for reading and hosting sessions): another is missing, the same 404.
         `manage` (stop, extend): a shared resource of another user is a 403."""
-        row = self.store.get(ResourceRow, resource_id)
-        if row is None or (who is not None and not (who.sees(row.owner) or row.shared)):
-            raise not_found("model resource", resource_id, "model_resources_id")
-        if manage and who is not None and not who.sees(row.owner):
+        row = owned(
+            self.store.get(ResourceRow, resource_id),
+            who,
+            "model resource",
+            resource_id,
+            "model_resources_id",
+            shared=lambda r: r.shared,
+        )
+        if manage and not visible(who, row.owner):  # shared with `who`, not theirs
             raise ApiError(
                 403,
                 f"model_resources_id: model resource {resource_id} is shared with you; only its "
@@ -255,18 +242,23 @@ class Worker:
 
     def session(self, session_id: str, who: Principal | None = None) -> SessionRow:
         """The session's row; with `who`, only one `who` sees (another's: the same 404)."""
-        row = self.store.get(SessionRow, session_id)
-        if row is None or (who is not None and not who.sees(row.owner)):
-            raise not_found("training session", session_id, "session_id")
-        return row
+        return owned(
+            self.store.get(SessionRow, session_id),
+            who,
+            "training session",
+            session_id,
+            "session_id",
+        )
 
     def checkpoint_owner(self, record: CheckpointRecord) -> str | None:
         """The user who owns a checkpoint: the owner of the session that saved it."""
         row = self.store.get(SessionRow, record.session_id) if record.session_id else None
         return row.owner if row is not None else None
 
-    def sees_checkpoint(self, who: Principal, record: CheckpointRecord) -> bool:
-        return who.sees(self.checkpoint_owner(record))
+    def checkpoint(self, checkpoint_id: str, who: Principal | None, field: str) -> CheckpointRecord:
+        """A checkpoint `who` may see; another user's is missing (the same 404 naming `field`)."""
+        record = self.checkpoints.get(checkpoint_id)
+        return owned(record, who, "checkpoint", checkpoint_id, field, owner=self.checkpoint_owner)
 
     def live_policy(self, session_id: str) -> tuple[int, dict[str, Any]] | None:
         with self.lock:
@@ -304,25 +296,7 @@ class Worker:
         resuming = bool(body.resume_from_checkpoint_id or body.resume_from_hf_checkpoint)
         if not (resuming and lora_enabled):  # a resumed LoRA session keeps its checkpoint's
             check_lora(body.lora_config, live_res.entry, lora_enabled)
-        if body.resume_from_checkpoint_id:
-            field = "resume_from_checkpoint_id"
-            record = self.checkpoints.get(body.resume_from_checkpoint_id)
-            if record is None or not self.sees_checkpoint(who, record):
-                raise not_found("checkpoint", body.resume_from_checkpoint_id, field)
-            if stored_encrypted(self.checkpoints, record.id):
-                raise bad_request(f"{field}: checkpoint {record.id} {ENCRYPTED_EXPORT}", field)
-            limit = live_res.entry.max_lora_rank
-            if lora_enabled and record.lora_rank is not None and record.lora_rank > limit:
-                raise bad_request(
-                    f"{field}: checkpoint {record.id} has LoRA rank {record.lora_rank}, over "
-                    f"max_lora_rank {limit} of {live_res.entry.name}",
-                    field,
-                )
-        if body.resume_from_hf_checkpoint:
-            roots = [self.config.storage, *self.config.resume_roots]
-            check_resume_location(body.resume_from_hf_checkpoint, roots)
-            if lora_enabled:
-                _check_adapter_rank(body.resume_from_hf_checkpoint, live_res.entry)
+        body = checked_resume(self, body, who, live_res)
         _check_ident(ident)
         if ident is not None and self.store.get(SessionRow, ident) is not None:
             raise failed_precondition(f"training session {ident!r} already exists", "id")
@@ -542,8 +516,8 @@ class Worker:
                     self.checkpoints.delete(checkpoint_id)
                 raise OperationError(
                     "RESOURCE_EXHAUSTED",
-                    f"quota max_storage_bytes: the checkpoint would bring {owner}'s checkpoints "
-                    f"and payloads to {used} bytes, past {limit}; delete some first",
+                    f"{QUOTA_PREFIX}max_storage_bytes: the checkpoint would bring {owner}'s "
+                    f"checkpoints and payloads to {used} bytes, past {limit}; delete some first",
                 )
             return out
 

@@ -14,9 +14,9 @@ from pydantic import ValidationError
 from trainer.api.auth import NOBODY, listed_owner, principal_of
 from trainer.api.http import (
     FILE_PATH,
-    base_url,
     parse_limit,
     parse_statuses,
+    sign_for,
     verify_signed,
     worker_of,
 )
@@ -37,6 +37,7 @@ from trainer.serving.errors import (
     from_pydantic,
     not_found,
 )
+from trainer.serving.ownership import owned, usable_cursor
 from trainer.serving.requests import (
     CreateResourceBody,
     ExtendExpiryBody,
@@ -106,9 +107,13 @@ async def list_resources(
     owner = listed_owner(principal_of(request), created_by)
     if owner is NOBODY:
         return page_json([], False, size)
+    if after and not usable_cursor(
+        worker.store.get(ResourceRow, after), principal_of(request), shared=lambda r: r.shared
+    ):
+        return page_json([], False, size)  # a cursor not the caller's reads as a missing one
     where = {"owner": owner} if owner is not None else None
     rows, more = worker.store.page(
-        ResourceRow, after=after, limit=size, where=where, statuses=statuses
+        ResourceRow, after=after or None, limit=size, where=where, statuses=statuses
     )
     return page_json([resource_json(r) for r in rows], more, size)
 
@@ -172,8 +177,8 @@ async def list_checkpoints(
     who = principal_of(request)
     try:
         if after:  # a cursor of another user's checkpoint is unknown here too
-            cursor = store.get(after)
-            if cursor is None or not worker.sees_checkpoint(who, cursor):
+            found = store.get(after)
+            if not usable_cursor(found, who, owner=worker.checkpoint_owner):
                 raise KeyError(after)
         records = store.list(
             session_id=session_id or None,
@@ -196,11 +201,8 @@ async def list_checkpoints(
 @router.get("/rl/checkpoints/{checkpoint_id}")
 async def get_checkpoint(request: Request, checkpoint_id: str) -> dict[str, Any]:
     worker = worker_of(request)
-    store = worker.checkpoints
-    record = store.get(checkpoint_id)
-    if record is None or not worker.sees_checkpoint(principal_of(request), record):
-        raise not_found("checkpoint", checkpoint_id, "checkpoint_id")
-    return await run_in_threadpool(_checkpoint_view, store, record)
+    record = worker.checkpoint(checkpoint_id, principal_of(request), "checkpoint_id")
+    return await run_in_threadpool(_checkpoint_view, worker.checkpoints, record)
 
 
 def _checkpoint_view(store: CheckpointStore, record: CheckpointRecord) -> dict[str, Any]:
@@ -248,9 +250,7 @@ async def download_checkpoint(
             f"(CHECKPOINT_VARIANT_UNSPECIFIED means MERGED); got {variant!r}",
             "variant",
         )
-    record = worker.checkpoints.get(checkpoint_id)
-    if record is None or not worker.sees_checkpoint(principal_of(request), record):
-        raise not_found("checkpoint", checkpoint_id, "checkpoint_id")
+    record = worker.checkpoint(checkpoint_id, principal_of(request), "checkpoint_id")
     if record.type != INFERENCE:
         raise failed_precondition(
             f"checkpoint_id: {checkpoint_id} is a training checkpoint; only inference "
@@ -279,7 +279,7 @@ async def download_checkpoint(
         raise _corrupt(
             CheckpointCorrupt(f"checkpoint {checkpoint_id}: its manifest lists no {short} files")
         ) from None
-    signer = request.app.state.signer
+    who = principal_of(request)
     data = []
     for entry in files:
         if "/" in entry.name:
@@ -290,7 +290,7 @@ async def download_checkpoint(
                 "filename": entry.name,
                 "size": entry.size,
                 "sha256": entry.sha256,
-                "url": signer.sign(base_url(request), "GET", url_path),
+                "url": sign_for(request, "GET", url_path, who),
             }
         )
     return {"data": data}
@@ -303,9 +303,20 @@ async def checkpoint_file(
     """Served without a token: the signature in the query string is the credential. The file
     is checked against its manifest sha256 before the first byte goes out (a match is
     remembered while the file is unchanged, so repeated downloads do not re-hash)."""
-    verify_signed(request, "GET")
-    store = worker_of(request).checkpoints
-    missing = not_found("checkpoint file", f"{checkpoint_id}/{variant}/{filename}", "filename")
+    issued_to = verify_signed(request, "GET")
+    worker = worker_of(request)
+    store = worker.checkpoints
+    shown = f"{checkpoint_id}/{variant}/{filename}"
+    missing = not_found("checkpoint file", shown, "filename")
+    # the user it was issued to still owns the checkpoint (else: missing, the same 404)
+    owned(
+        store.get(checkpoint_id),
+        issued_to,
+        "checkpoint file",
+        shown,
+        "filename",
+        owner=worker.checkpoint_owner,
+    )
     try:
         files = await run_in_threadpool(store.variant_files, checkpoint_id, variant, check=False)
         entry = next((e for e in files if e.name == filename), None)

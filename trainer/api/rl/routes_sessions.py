@@ -12,10 +12,10 @@ from pydantic import ValidationError
 
 from trainer.api.auth import NOBODY, listed_owner, principal_of
 from trainer.api.http import (
-    base_url,
     json_object,
     parse_limit,
     parse_statuses,
+    sign_for,
     verify_signed,
     worker_of,
 )
@@ -28,9 +28,10 @@ from trainer.serving.errors import (
     from_pydantic,
     not_found,
 )
+from trainer.serving.ownership import usable_cursor
 from trainer.serving.requests import CreateSessionBody, UpdateSessionBody
 from trainer.serving.responses import page_json, session_json
-from trainer.serving.tenants import over_quota
+from trainer.serving.tenants import Principal, over_quota
 from trainer.serving.worker import Worker
 
 router = APIRouter()
@@ -84,6 +85,8 @@ async def list_sessions(
     owner = listed_owner(principal_of(request), created_by)
     if owner is NOBODY:
         return page_json([], False, size)
+    if after and not usable_cursor(worker.store.get(SessionRow, after), principal_of(request)):
+        return page_json([], False, size)  # a cursor not the caller's reads as a missing one
     where = {"resource_id": model_resources_id} if model_resources_id else {}
     if owner is not None:
         where["owner"] = owner
@@ -128,30 +131,35 @@ async def stop_session(request: Request, session_id: str) -> dict[str, Any]:
 @router.post("/rl/training-sessions/{session_id}/payloads/upload-url")
 async def upload_url(request: Request, session_id: str) -> dict[str, str]:
     worker = worker_of(request)
-    worker.session(session_id, principal_of(request))
+    who = principal_of(request)
+    worker.session(session_id, who)
     payload_id = worker.payloads.new_id()
     path = PAYLOAD_PATH.format(session_id=session_id, payload_id=payload_id)
-    url = request.app.state.signer.sign(base_url(request), "PUT", path)
-    return {"payload_id": payload_id, "upload_url": url}
+    return {"payload_id": payload_id, "upload_url": sign_for(request, "PUT", path, who)}
 
 
 @router.post("/rl/training-sessions/{session_id}/payloads/{payload_id}/download-url")
 async def download_url(request: Request, session_id: str, payload_id: str) -> dict[str, str]:
     worker = worker_of(request)
-    worker.session(session_id, principal_of(request))
+    who = principal_of(request)
+    worker.session(session_id, who)
     if not worker.payloads.path(session_id, payload_id).is_file():
         raise not_found("payload", payload_id, "payload_id")
     path = PAYLOAD_PATH.format(session_id=session_id, payload_id=payload_id)
-    return {"download_url": request.app.state.signer.sign(base_url(request), "GET", path)}
+    return {"download_url": sign_for(request, "GET", path, who)}
 
 
-def _verify(request: Request, method: str) -> None:
-    verify_signed(request, method)
+def _verify(request: Request, method: str, session_id: str) -> Principal | None:
+    """The signature, then the session's owner against the user the URL was issued to (another
+    user's session: the 404 of a missing one)."""
+    issued_to = verify_signed(request, method)
+    worker_of(request).session(session_id, issued_to)
+    return issued_to
 
 
 @files_router.put(PAYLOAD_PATH)
 async def put_payload(request: Request, session_id: str, payload_id: str) -> dict[str, Any]:
-    _verify(request, "PUT")
+    _verify(request, "PUT", session_id)
     worker = worker_of(request)
     status = worker.session(session_id).status
     if status not in SES_LIVE:  # its payloads were deleted when it stopped: keep it that way
@@ -175,7 +183,7 @@ async def put_payload(request: Request, session_id: str, payload_id: str) -> dic
 
 @files_router.get(PAYLOAD_PATH)
 async def get_payload(request: Request, session_id: str, payload_id: str) -> FileResponse:
-    _verify(request, "GET")
+    _verify(request, "GET", session_id)
     path = worker_of(request).payloads.path(session_id, payload_id)
     if not path.is_file():
         raise not_found("payload", payload_id, "payload_id")

@@ -52,12 +52,20 @@ from trainer.serving.catalogue import (
 from trainer.serving.errors import ApiError, bad_request, is_disk_full
 from trainer.serving.operations import OPERATIONS, prepare_call
 from trainer.serving.requests import CreateSessionBody
-from trainer.serving.tenants import Principal
+from trainer.serving.tenants import Principal, is_quota_refusal
 from trainer.serving.worker import EngineCall, Worker
 
 log = logging.getLogger(__name__)
 
 USER_CODES = ("INVALID_INPUT", "NON_FINITE_LOSS")
+
+
+def category_of(code: str, message: str) -> str:
+    """A failure's category as the SDK reads it: the user's (bad input, a non-finite loss, a
+    quota of theirs reached) or the server's (a full disk included)."""
+    return "user" if code in USER_CODES or is_quota_refusal(message) else "server"
+
+
 RESOURCE_IDLE_S = 86400  # Tinker resources live as long as the catalogue allows when idle
 SESSION_TIMEOUT_S = 600.0  # the SDK heartbeats every 10 s; silence this long ends a session
 FUTURE_TTL_S = 6 * 3600.0  # settled futures are kept this long for their clients to fetch
@@ -130,9 +138,12 @@ class TinkerBridge:
         self, owner: str, kind: str, key: RequestKey, user: str
     ) -> tuple[TinkerFuture, bool]:
         """A new pending future, or the one this request's identity already made (False); a
-        409 when another request made it (`RequestKey.same`)."""
+        409 when another request made it (`RequestKey.same`). Keys are looked up among
+        `user`'s futures only: another user's key names none of theirs."""
         if key.key:
-            existing = self.db.future_by_key(key.key)
+            scoped = f"{user}|{key.key}"
+            key = replace(key, key=scoped)
+            existing = self.db.future_by_key(scoped)
             if existing is not None:
                 return key.same(existing), False
         now = time.time()
@@ -236,7 +247,7 @@ class TinkerBridge:
             except ApiError as exc:
                 self.fail(request_id, exc.message, "user" if exc.status < 500 else "server")
             except OperationError as exc:
-                category = "user" if exc.code in USER_CODES else "server"
+                category = category_of(exc.code, exc.message)
                 self.fail(request_id, f"{exc.code}: {exc.message}", category)
             except Exception as exc:
                 self._crashed(request_id, exc)
@@ -361,7 +372,7 @@ class TinkerBridge:
         try:
             row = future.result()
         except OperationError as exc:
-            category = "user" if exc.code in USER_CODES else "server"
+            category = category_of(exc.code, exc.message)
             raise RequestFailed(f"{field}: {exc.message}", category) from None
         if row.status != SES_RUNNING:
             message = (row.error or {}).get("message", row.status)
@@ -405,7 +416,7 @@ class TinkerBridge:
         if row.status != OP_COMPLETED:
             error = row.error or {}
             code = str(error.get("code", "")).removeprefix("TRAINING_OPERATION_ERROR_CODE_")
-            category = "user" if code in USER_CODES else "server"
+            category = category_of(code, str(error.get("message", "")))
             message = tinker_names(kind, str(error.get("message", "failed")))
             raise RequestFailed(f"{code}: {message}", category)
         output = dict(row.output or {})

@@ -1,8 +1,9 @@
 """Who sent a Tinker request and what it asked: the identity that maps a retry to its future.
 
 A request belongs to an owner (a model `<session>:train:<seq>`, a sampling session
-`<session>:sample:<seq>`, or an ad-hoc sampling target `adhoc:<path or base model>`), and what
-it asked is the sha256 of its body (`body_digest`).
+`<session>:sample:<seq>`, or an ad-hoc sampling target `adhoc:<user>:<path or base model>`,
+its user's own), and what it asked is the sha256 of its body (`body_digest`). A future is
+found by its key among its own user's futures only (`TinkerBridge.future`).
 - With `X-Idempotency-Key` (the SDK sends one per request and reuses it across its retries):
   the owner, the route and the key name the future; the same key with another body is a 409
   naming the header, and the same key on another owner or route is another request.

@@ -18,7 +18,8 @@ from trainer.api.tinker.bridge import TinkerBridge
 from trainer.api.tinker.records import TinkerCheckpoint
 from trainer.checkpoint.export import ENCRYPTED_EXPORT, stored_encrypted
 from trainer.checkpoint.store import INFERENCE, TRAINING, CheckpointRecord
-from trainer.serving.errors import ApiError, bad_request, not_found
+from trainer.serving.errors import ApiError, bad_request
+from trainer.serving.ownership import owned
 from trainer.serving.tenants import Principal
 
 SEGMENTS = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}
@@ -68,10 +69,9 @@ def resolve(bridge: TinkerBridge, path: str, field: str, who: Principal) -> Chec
     saved = bridge.db.get(TinkerCheckpoint, path)
     checkpoint_id = saved.checkpoint_id if saved is not None else name
     record = bridge.worker.checkpoints.get(checkpoint_id)
-    if record is None or (saved is None and record.session_id != run_id):
-        raise not_found("checkpoint", path, field)
-    if not bridge.worker.sees_checkpoint(who, record):
-        raise not_found("checkpoint", path, field)
+    if record is not None and saved is None and record.session_id != run_id:
+        record = None  # an RL-face checkpoint under another run's name names nothing
+    record = owned(record, who, "checkpoint", path, field, owner=bridge.worker.checkpoint_owner)
     if record.type != ENGINE_TYPES[kind]:
         raise ApiError(400, f"{field}: {path!r} names a checkpoint of another kind", param=field)
     return record

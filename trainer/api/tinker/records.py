@@ -8,7 +8,7 @@ worker's store; this one maps Tinker's names onto them:
 - a future (`request_id`) -> its status and translated result, so a retry of the same request
   (same `X-Idempotency-Key`) gets the same future and a restart keeps finished results;
 - a `tinker://<run>/<weights|sampler_weights>/<name>` path -> the checkpoint id;
-- a sampling session -> the checkpoint (or base model) it samples.
+- a sampling session -> the checkpoint (or base model) it samples, and its owner.
 Thread-safe: one connection, one lock, every write committed at once.
 """
 
@@ -88,6 +88,7 @@ class TinkerSampler:
     created_at: float
     model_path: str | None = None
     checkpoint_id: str | None = None
+    owner: str | None = None  # its Tinker session's owner, or the user of an ad-hoc sample
 
 
 Record = TypeVar(
@@ -131,6 +132,7 @@ class TinkerRecords:
             ("futures", "body_hash"),
             ("futures", "owner"),
             ("sessions", "owner"),
+            ("samplers", "owner"),
         ):
             columns = {row["name"] for row in self._db.execute(f"PRAGMA table_info({table})")}
             if column not in columns:  # a store from before the column existed gets it

@@ -34,7 +34,8 @@ from trainer.api.tinker.requests import (
     WeightsInfo,
 )
 from trainer.serving.catalogue import SES_RUNNING, SessionRow
-from trainer.serving.errors import ApiError, from_pydantic, not_found
+from trainer.serving.errors import ApiError, from_pydantic
+from trainer.serving.ownership import owned
 from trainer.serving.tenants import Principal
 
 router = APIRouter()
@@ -242,10 +243,7 @@ def model_info(bridge: TinkerBridge, model: TinkerModel) -> dict[str, Any]:
 
 def get_session(bridge: TinkerBridge, session_id: str, who: Principal) -> TinkerSession:
     """A Tinker session `who` may see; another user's is missing (the same 404)."""
-    session = bridge.db.get(TinkerSession, session_id)
-    if session is None or not who.sees(session.owner):
-        raise not_found("session", session_id, "session_id")
-    return session
+    return owned(bridge.db.get(TinkerSession, session_id), who, "session", session_id, "session_id")
 
 
 def session_owner(bridge: TinkerBridge, session_id: str) -> str | None:
@@ -255,10 +253,14 @@ def session_owner(bridge: TinkerBridge, session_id: str) -> str | None:
 
 def get_model(bridge: TinkerBridge, model_id: str, who: Principal) -> TinkerModel:
     """A model of a Tinker session `who` may see; another user's is missing (the same 404)."""
-    model = bridge.db.get(TinkerModel, model_id)
-    if model is None or not who.sees(session_owner(bridge, model.tinker_session)):
-        raise not_found("model", model_id, "model_id")
-    return model
+    return owned(
+        bridge.db.get(TinkerModel, model_id),
+        who,
+        "model",
+        model_id,
+        "model_id",
+        owner=lambda m: session_owner(bridge, m.tinker_session),
+    )
 
 
 def live_model(bridge: TinkerBridge, model_id: str, who: Principal) -> TinkerModel:
@@ -318,9 +320,7 @@ async def retrieve_future(request: Request) -> Response:
     body: RetrieveFuture = await parse(request, RetrieveFuture)
     bridge = bridge_of(request)
     request_id = body.request_id
-    row = bridge.lookup(request_id)
-    if row is None or not principal_of(request).sees(row.owner):
-        raise not_found("request", request_id, "request_id")
+    owned(bridge.lookup(request_id), principal_of(request), "request", request_id, "request_id")
 
     def settled() -> bool:
         current = bridge.lookup(request_id)

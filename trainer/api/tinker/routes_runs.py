@@ -15,7 +15,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 
 from trainer.api.auth import principal_of
-from trainer.api.http import FILE_PATH, base_url
+from trainer.api.http import FILE_PATH, sign_for
 from trainer.api.tinker import paths
 from trainer.api.tinker.bridge import TinkerBridge
 from trainer.api.tinker.records import TinkerCheckpoint, TinkerModel, TinkerSampler, TinkerSession
@@ -26,6 +26,7 @@ from trainer.checkpoint.export import stored_encrypted
 from trainer.checkpoint.store import INFERENCE, CheckpointCorrupt, CheckpointRecord
 from trainer.serving.catalogue import SessionRow
 from trainer.serving.errors import ApiError, bad_request, not_found
+from trainer.serving.ownership import owned, visible
 from trainer.serving.responses import iso
 from trainer.serving.tenants import LOCAL_USER, Principal
 
@@ -79,8 +80,9 @@ def run_owner(bridge: TinkerBridge, run_id: str) -> tuple[bool, str | None]:
 def check_run(bridge: TinkerBridge, run_id: str, who: Principal) -> str | None:
     """The run's owner, when `who` may see the run; else the 404 of a missing run."""
     found, owner = run_owner(bridge, run_id)
-    if not found or not who.sees(owner):
-        raise not_found("training run", run_id, "training_run_id")
+    owned(
+        run_id if found else None, who, "training run", run_id, "training_run_id", lambda _: owner
+    )
     return owner
 
 
@@ -143,7 +145,7 @@ async def list_training_runs(
 
     def collect() -> dict[str, Any]:
         models = bridge.db.select(TinkerModel, tail="ORDER BY created_at DESC, id DESC")
-        ids = [m.id for m in models if who.sees(session_owner(bridge, m.tinker_session))]
+        ids = [m.id for m in models if visible(who, session_owner(bridge, m.tinker_session))]
         where = None if who.admin else {"owner": who.user}
         rows, _ = bridge.worker.store.page(SessionRow, after=None, limit=10_000, where=where)
         ids += [
@@ -216,7 +218,8 @@ async def external_weights_urls(
     signer's TTL: adapter_config.json and adapter_model.safetensors (an external export's in
     Tinker's naming, `.age` when encrypted; a sampler checkpoint's in PEFT's)."""
     bridge = bridge_of(request)
-    record = await run_in_threadpool(_record, bridge, run_id, checkpoint_id, principal_of(request))
+    who = principal_of(request)
+    record = await run_in_threadpool(_record, bridge, run_id, checkpoint_id, who)
     if record.type != INFERENCE:
         raise bad_request(
             f"checkpoint_id: {checkpoint_id} is a training checkpoint (weights and optimizer "
@@ -231,16 +234,16 @@ async def external_weights_urls(
         raise ApiError(
             409, f"checkpoint_id: {checkpoint_id}: {exc}", param="checkpoint_id"
         ) from None
-    signer = request.app.state.signer
     urls = {
-        f.name: signer.sign(
-            base_url(request),
+        f.name: sign_for(
+            request,
             "GET",
             FILE_PATH.format(checkpoint_id=record.id, variant="ADAPTER", filename=f.name),
+            who,
         )
         for f in files
     }
-    return {"urls": urls, "expires": iso(time.time() + signer.ttl_s)}
+    return {"urls": urls, "expires": iso(time.time() + request.app.state.signer.ttl_s)}
 
 
 @router.put("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl")
@@ -293,7 +296,7 @@ async def list_sessions(
     _page(limit, offset)
     who = principal_of(request)
     rows = bridge_of(request).db.select(TinkerSession, tail="ORDER BY created_at DESC, id DESC")
-    rows = [r for r in rows if who.sees(r.owner)]
+    rows = [r for r in rows if visible(who, r.owner)]
     return {"sessions": [r.id for r in rows[offset : offset + limit]]}
 
 

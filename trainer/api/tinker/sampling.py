@@ -43,13 +43,20 @@ from trainer.api.tinker.routes import (
     session_owner,
 )
 from trainer.serving.catalogue import SES_RUNNING, SessionRow
-from trainer.serving.errors import ApiError, bad_request, not_found
-from trainer.serving.operations import OPERATIONS, validated_call, vocab_size_of
+from trainer.serving.errors import ApiError, bad_request
+from trainer.serving.operations import (
+    OPERATIONS,
+    has_tokenizer,
+    validated_call,
+    vocab_size_of,
+)
+from trainer.serving.ownership import owned
 from trainer.serving.tenants import LOCAL, Principal
 from trainer.serving.worker import EngineCall
 
 router = APIRouter()
 MAX_SAMPLER_SESSIONS = 4
+ADHOC = "adhoc:"
 
 
 class SamplerSessions:
@@ -186,11 +193,27 @@ def _versions(output: dict[str, Any]) -> set[int]:
     }
 
 
-def sampler_visible(bridge: TinkerBridge, sampler: TinkerSampler, who: Principal) -> bool:
-    """A sampling session of a Tinker session `who` may see. An ad-hoc sampler (a
-    `model_path` or `base_model` named in the request) belongs to no session: each request
-    checks its path again (`new_sampler`)."""
-    return not sampler.tinker_session or who.sees(session_owner(bridge, sampler.tinker_session))
+def sampler_owner(bridge: TinkerBridge, sampler: TinkerSampler) -> str | None:
+    """Whose sampler it is: its recorded owner (its Tinker session's, or the user of an ad-hoc
+    sample); for a record from before owners were recorded, its session's (an ad-hoc one's:
+    nobody's, so an admin's alone)."""
+    if sampler.owner is not None:
+        return sampler.owner
+    return session_owner(bridge, sampler.tinker_session) if sampler.tinker_session else None
+
+
+def find_sampler(
+    bridge: TinkerBridge, sampler_id: str, who: Principal, what: str, field: str
+) -> TinkerSampler:
+    """A sampler `who` may name, ad hoc or not; another user's is missing (the same 404)."""
+    found = bridge.db.get(TinkerSampler, sampler_id)
+    return owned(found, who, what, sampler_id, field, owner=lambda s: sampler_owner(bridge, s))
+
+
+def adhoc_id(who: Principal, target: str) -> str:
+    """The id of an ad-hoc sampling target (`model_path` or `base_model` in the request): its
+    user's own, so two users sampling the same target share no sampler, future or key."""
+    return f"{ADHOC}{who.user}:{target}"
 
 
 def samplers_of(request: Request) -> SamplerSessions:
@@ -224,6 +247,7 @@ def new_sampler(
         created_at=time.time(),
         model_path=model_path,
         checkpoint_id=checkpoint_id,
+        owner=session_owner(bridge, tinker_session) if tinker_session else who.user,
     )
     if keep:
         bridge.db.insert(sampler, replace=True)
@@ -246,9 +270,7 @@ async def create_sampling_session(request: Request) -> dict[str, Any]:
 @router.get("/samplers/{sampler_id}")
 async def get_sampler(request: Request, sampler_id: str) -> dict[str, Any]:
     bridge = bridge_of(request)
-    sampler = bridge.db.get(TinkerSampler, sampler_id)
-    if sampler is None or not sampler_visible(bridge, sampler, principal_of(request)):
-        raise not_found("sampler", sampler_id, "sampler_id")
+    sampler = find_sampler(bridge, sampler_id, principal_of(request), "sampler", "sampler_id")
     return {
         "sampler_id": sampler.id,
         "base_model": sampler.base_model,
@@ -262,8 +284,9 @@ def _prepare_sample(bridge: TinkerBridge, base_model: str, body: dict[str, Any])
     )
     try:
         vocab = vocab_size_of(bridge.worker, base_model)
+        tokenizer = has_tokenizer(bridge.worker, base_model)
         entry = bridge.entry(base_model)
-        return validated_call(OPERATIONS["sample"], body, entry, None, vocab, extra)
+        return validated_call(OPERATIONS["sample"], body, entry, None, vocab, extra, tokenizer)
     except ApiError as exc:
         raise tinker_named("sample", exc) from None
 
@@ -275,16 +298,15 @@ async def asample(request: Request) -> dict[str, Any]:
     req = await json_object(request, bridge.worker.config.max_body_bytes)
     sampler_id = req.get("sampling_session_id")
     if sampler_id is not None:
-        sampler = bridge.db.get(TinkerSampler, str(sampler_id))
-        if sampler is None or not sampler_visible(bridge, sampler, who):
-            raise not_found("sampling session", str(sampler_id), "sampling_session_id")
+        field = "sampling_session_id"
+        sampler = find_sampler(bridge, str(sampler_id), who, "sampling session", field)
     elif req.get("model_path") or req.get("base_model"):
         path, base = req.get("model_path"), req.get("base_model")
         for name, value in (("model_path", path), ("base_model", base)):
             if value is not None and not isinstance(value, str):
                 raise bad_request(f"{name}: must be a string", name)
         sampler = await run_in_threadpool(  # recorded once the request is accepted
-            new_sampler, bridge, f"adhoc:{path or base}", "", base, path, who, False
+            new_sampler, bridge, adhoc_id(who, str(path or base)), "", base, path, who, False
         )
     else:
         raise bad_request(
