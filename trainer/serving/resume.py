@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
 from trainer.checkpoint.export import ENCRYPTED_EXPORT, stored_encrypted
@@ -26,7 +26,6 @@ from trainer.serving.tenants import Principal
 
 if TYPE_CHECKING:
     from trainer.serving.lifecycle import LiveResource
-    from trainer.serving.worker import Worker
 
 HF_FIELD = "resume_from_hf_checkpoint"
 ID_FIELD = "resume_from_checkpoint_id"
@@ -106,7 +105,7 @@ def _check_adapter_rank(location: str, entry: ModelEntry) -> None:
 
 
 def checked_resume(
-    worker: Worker, body: CreateSessionBody, who: Principal, live: LiveResource
+    worker: Any, body: CreateSessionBody, who: Principal, live: LiveResource
 ) -> CreateSessionBody:
     """`body` with what it resumes from checked for `who` (its local location as the engine
     reads it); a 404 or 400 naming the field otherwise."""
