@@ -424,13 +424,21 @@ def build_family(name: str, seed: int = 0) -> torch.nn.Module:
     """A random-init model of family `name` in eval mode, drawn under `torch.manual_seed(seed)`
     and rescaled so its logits have a std of about `LOGIT_STD` (same name and seed, same
     weights). Composites are their ForConditionalGeneration model, the rest ForCausalLM."""
+    import transformers
+
+    cls = getattr(transformers, _COMPOSITE_CLASSES[name]) if is_composite(name) else None
+    return build_from_config(family_config(name), seed, cls)
+
+
+def build_from_config(config: Any, seed: int = 0, cls: Any = None) -> torch.nn.Module:
+    """`build_family` for any config (a family not in the table): random init under `seed`
+    with `cls` (default: the config's causal LM), every 2-D / 3-D weight scaled by
+    `WEIGHT_SCALE`, the logits calibrated to `LOGIT_STD`; eval mode."""
     import torch
     import transformers
 
-    config = family_config(name)
     torch.manual_seed(seed)
-    if is_composite(name):
-        cls = getattr(transformers, _COMPOSITE_CLASSES[name])
+    if cls is not None:
         model = cls._from_config(config, dtype=torch.float32)
     else:
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

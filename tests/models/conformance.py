@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from trainer.tiny_families import FAMILIES, save_family
+from trainer.tiny_families import FAMILIES, build_from_config, save_family
 
 PACKED_VARLEN = "packed varlen (packed_sdpa)"
 ROWS_SDPA = "one sample per row (packed_sdpa)"
@@ -87,13 +87,13 @@ def _falcon_h1() -> Any:
         pad_token_id=0,
     )
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config)
+    return AutoModelForCausalLM.from_config(config)  # raw init: the head check refuses it
 
 
 def _qwen2() -> Any:
     """Qwen2 with `use_sliding_window`: layers from `max_window_layers` on slide, those below
     attend to everything (per-layer windows read from the config)."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import Qwen2Config
 
     config = Qwen2Config(
         vocab_size=128,
@@ -110,13 +110,7 @@ def _qwen2() -> Any:
         eos_token_id=1,
         pad_token_id=0,
     )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.mul_(8.0)
-    return model
+    return build_from_config(config)
 
 
 EXTRA: dict[str, Callable[[], Any]] = {"falcon_h1": _falcon_h1, "qwen2": _qwen2}
