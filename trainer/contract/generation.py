@@ -28,7 +28,9 @@ class GeneratorOptions(StrictSpec):
         default="", description="interpreter with vllm installed (empty: the worker's own)"
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        default="auto", description="the replicas' weights dtype (auto: the model entry's)"
+        default="auto",
+        description="the replicas' weights dtype (auto: the trainer's: the model entry's "
+        "dtype, else float32 on the CPU and bfloat16 on CUDA)",
     )
     max_model_len: int = Field(
         default=0, ge=0, description="context length of a replica (0: the model's max_seq_length)"

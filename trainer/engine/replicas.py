@@ -3,7 +3,8 @@ stops (`trainer/engine/vllm_replica.py` is the child).
 
 Each replica speaks JSON lines over a Unix socket. `ReplicaPool` starts
 `num_generator_replicas` of them and waits until each is healthy (a replica that cannot start
-fails the resource with vLLM's own reason), sends each sample to the replica with the fewest
+fails the resource with vLLM's own reason; one that cannot serve the model exactly makes it
+sample in-process: `replica_check.py`), sends each sample to the replica with the fewest
 rows in flight, restarts a replica that dies (the samples it held fail with a clear error,
 naming the replica and its exit; full weights pushed before are pushed again before it
 serves), and stops them all when the resource closes. Design notes: `docs/design/vllm.md`.
@@ -27,9 +28,17 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.compute.model import local_dir
+from trainer.compute.model import local_dir, resolve_dtype
 from trainer.contract.errors import OperationError
 from trainer.contract.generation import GeneratorOptions
+from trainer.engine.replica_check import (
+    GeneratorFallback,
+    check,
+    fallback_message,
+    logged_cause,
+    model_type,
+    unsupported,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -40,7 +49,6 @@ log = logging.getLogger(__name__)
 
 SCRIPT = Path(__file__).with_name("vllm_child") / "vllm_replica.py"
 _LOG_TAIL = 2000
-
 
 # the adapter ranks vLLM accepts as `max_lora_rank`
 _VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -54,12 +62,34 @@ def start_replicas(
     lora: bool,
     tokenizer: bool,
     device: torch.device,
+    model: Any = None,
 ) -> ReplicaPool:
-    """`count` healthy replicas of `entry` (raises `ReplicaStartError` with vLLM's reason)."""
+    """`count` healthy replicas of `entry` (raises `ReplicaStartError` with vLLM's reason).
+    Given the loaded `model` (the weights the replicas load), one replica's logprobs are
+    checked against it; a model vLLM cannot serve exactly raises `GeneratorFallback`
+    (`replica_check`)."""
     config = replica_config(entry, options, lora=lora, tokenizer=tokenizer, device=device)
+    kind = model_type(model, Path(config["model"]))
     pool = ReplicaPool(count, options, config, cuda=device.type == "cuda")
-    pool.start()
-    return pool
+    try:
+        pool.start()
+        why = None if model is None else check(pool, model, config["dtype"], lora=lora)
+    except (ReplicaStartError, OperationError) as exc:
+        pool.close()
+        if not unsupported(str(exc)):
+            if isinstance(exc, ReplicaStartError):
+                raise
+            raise ReplicaStartError(f"vLLM replica failed its first sample: {exc}") from exc
+        why = str(exc)
+    except BaseException:
+        pool.close()
+        raise
+    if why is None:
+        return pool
+    pool.close()
+    message = f"{fallback_message(kind, why)}; its samples run on the in-process loop"
+    log.warning("%s", message)
+    raise GeneratorFallback(message)
 
 
 def replica_config(
@@ -71,10 +101,14 @@ def replica_config(
     device: torch.device,
 ) -> dict[str, Any]:
     """What each replica of `entry` starts with (`vllm_child/vllm_replica.py` reads it). Its
-    `max_lora_rank` is the generator's, else the model's, rounded up to a rank vLLM takes."""
+    `max_lora_rank` is the generator's, else the model's, rounded up to a rank vLLM takes.
+    Its dtype is the generator's, else the trainer's own (`resolve_dtype`: the entry's, else
+    float32 on the CPU and bfloat16 on CUDA), so its logprobs are the trainer's precision."""
     model = local_dir(entry.location, entry.revision)
     rank = options.max_lora_rank or entry.max_lora_rank
-    dtype = options.dtype if options.dtype != "auto" else entry.dtype
+    dtype: str = options.dtype
+    if dtype == "auto":
+        dtype = str(resolve_dtype(entry.dtype, device)).removeprefix("torch.")
     return {
         "model": str(model),
         "tokenizer": str(entry.tokenizer or model) if tokenizer else None,
@@ -189,7 +223,8 @@ class Replica:
         hello = json.loads(first)
         if not hello.get("ready"):
             self.stop()
-            raise ReplicaStartError(f"vLLM could not start: {hello.get('error')}")
+            cause = logged_cause(self.log_path, str(hello.get("error")))
+            raise ReplicaStartError(f"vLLM could not start: {hello.get('error')}{cause}")
         conn.settimeout(None)
         self._conn = conn
         self.state = "HEALTHY"
@@ -328,6 +363,8 @@ class ReplicaPool:
         self._closed = threading.Event()
         self._supervisor: threading.Thread | None = None
         self.sync_seconds: list[float] = []
+        # sessions whose samples run in-process (an adapter vLLM refused): session -> why
+        self.in_process: dict[str, str] = {}
 
     def start(self) -> None:
         """Start every replica at once; the first failure stops them all and is raised."""
@@ -373,6 +410,13 @@ class ReplicaPool:
                     if replica.process is not None and replica.process.poll() is None:
                         replica.stop()
                         replica.state = "DEAD"
+
+    def describe(self) -> dict[str, Any]:
+        """`status_details.generator`: the replicas, and the sessions served in-process."""
+        described: dict[str, Any] = {"backend": "vllm", "replicas": self.status()}
+        if self.in_process:
+            described["in_process_sessions"] = dict(self.in_process)
+        return described
 
     def status(self) -> list[dict[str, Any]]:
         return [
@@ -424,10 +468,11 @@ class ReplicaPool:
     def drop_adapter(self, adapter_id: int) -> None:
         self._every({"op": "drop_adapter", "adapter_id": adapter_id})
 
-    def load_weights(self, path: Path) -> None:
+    def load_weights(self, path: Path, restarts: bool = True) -> None:
+        """Full weights in place (`restarts`: pushed again to a replica that restarts)."""
         start = time.perf_counter()
         with self._lock:
-            self._weights_path = str(path)
+            self._weights_path = str(path) if restarts else self._weights_path
             self._every({"op": "load_weights", "path": str(path)})
         self.sync_seconds.append(time.perf_counter() - start)
 

@@ -38,6 +38,7 @@ from trainer.contract.specs import LoraConfig, ModelEntry, ResourceSpec, Session
 from trainer.engine.batching.eligibility import model_has_dropout
 from trainer.engine.batching.pass_scheduler import PassScheduler
 from trainer.engine.batching.sample_batch import sample_counters
+from trainer.engine.replica_check import GeneratorFallback
 from trainer.engine.replicas import ReplicaPool, start_replicas
 from trainer.engine.session import TrainingSession
 
@@ -94,18 +95,24 @@ class ModelResource:
         )
         # the vLLM replicas that serve this resource's samples (`[generator] backend`)
         self.replicas: ReplicaPool | None = None
+        self.generator_fallback: str | None = None  # why vLLM does not serve it (in-process)
         generation = self.entry.generator or GeneratorOptions()
         if self.has_generator and generation.backend == "vllm":
             if self.comm.world_size > 1:
                 raise ValueError("the vLLM generator backend runs in one process, not torchrun")
-            self.replicas = start_replicas(
-                self.entry,
-                generation,
-                count=spec.compute_config.num_generator_replicas,
-                lora=self.lora,
-                tokenizer=self.tokenizer is not None,
-                device=self.device,
-            )
+            try:
+                self.replicas = start_replicas(
+                    self.entry,
+                    generation,
+                    count=spec.compute_config.num_generator_replicas,
+                    lora=self.lora,
+                    tokenizer=self.tokenizer is not None,
+                    device=self.device,
+                    # checked against the loaded model when the replicas load the same weights
+                    model=self.model if self._base_dir is None else None,
+                )
+            except GeneratorFallback as fallback:  # samples run in-process, exactly
+                self.generator_fallback = str(fallback)
 
     def _draw_seed(self) -> int:
         """A fresh session seed when the spec gives none: rank 0 draws, every rank uses it
@@ -324,8 +331,9 @@ class ModelResource:
         if not self.has_generator:
             return {"backend": None}
         if self.replicas is None:
-            return {"backend": "hf"}
-        return {"backend": "vllm", "replicas": self.replicas.status()}
+            reason = {"fallback": self.generator_fallback} if self.generator_fallback else {}
+            return {"backend": "hf", **reason}
+        return self.replicas.describe()
 
     def close(self) -> None:
         with self.lock:

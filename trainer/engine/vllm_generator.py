@@ -9,7 +9,9 @@ place (the whole model, so packed q/k/v and gate/up groups always move together)
 serve swaps the copy back and pushes it again. What the copy serves besides: prompt
 logprobs (teacher-forced on the published weights, as in-process), and samples that record
 MoE routes (`return_routed_experts`), which run on the in-process loop (this vLLM version
-returns no routed experts).
+returns no routed experts), and every sample of a LoRA session whose adapter vLLM refuses for
+this family (an output-head or embedding adapter, say: `train_unembed`), logged and listed in
+`status_details.generator.in_process_sessions` (`replica_check.py`).
 
 A sample holds the resource's lock only to apply a pending publish, draw its seed and compute
 prompt logprobs; the generation itself runs on a replica without it, so training and other
@@ -24,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import math
 import shutil
 import threading
@@ -45,6 +48,7 @@ from trainer.engine.generator import (
     sample_alone,
 )
 from trainer.engine.in_process import InProcessGenerator
+from trainer.engine.replica_check import unsupported
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -54,6 +58,7 @@ if TYPE_CHECKING:
     from trainer.engine.handle import ResourceHandle
     from trainer.engine.replicas import ReplicaPool
 
+log = logging.getLogger(__name__)
 _ADAPTER_IDS = itertools.count(1)  # vLLM's adapter ids: unique in this worker
 _IDS_LOCK = threading.Lock()
 _ROW_SEED_STEP = 0x9E3779B97F4A7C15
@@ -62,6 +67,20 @@ _ROW_SEED_STEP = 0x9E3779B97F4A7C15
 def row_seed(seed: int, row: int) -> int:
     """Row `row`'s own seed of a call seeded `seed`: the same call gives the same tokens."""
     return (seed + row * _ROW_SEED_STEP) % (1 << 63)
+
+
+def write_full_weights(model: Any, weights: dict[str, torch.Tensor], directory: Path) -> None:
+    """Full weights (CPU tensors, canonical names) as `directory/model.safetensors` under the
+    checkpoint's names and shapes, which vLLM's loader reads: transformers' load-time
+    conversions of `model`'s class reverted (a fused MoE expert stack back to one tensor per
+    expert, as the checkpoint has them)."""
+    if model is not None:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        reverted: dict[str, torch.Tensor] = revert_weight_conversion(model, dict(weights))
+        if reverted.keys() != weights.keys():  # split views of one tensor: saved apart
+            weights = {name: t.contiguous().clone() for name, t in reverted.items()}
+    save_file(weights, str(directory / "model.safetensors"))
 
 
 class VllmGenerator(InProcessGenerator):
@@ -77,6 +96,7 @@ class VllmGenerator(InProcessGenerator):
         self.served: dict[str, Any] | None = None  # the adapter the replicas serve (LoRA)
         self.served_dir: Path | None = None
         self.finite = True
+        self.in_process: str | None = None  # why this session samples in-process, if it does
         self._push()
 
     # -- weights ---------------------------------------------------------------------------
@@ -99,7 +119,7 @@ class VllmGenerator(InProcessGenerator):
         """The published copy to every replica (the module docstring). Non-finite weights are
         not pushed: their samples fail with NON_FINITE_LOSS before reaching a replica."""
         tensors = self.policy.published_tensors()
-        if not tensors:
+        if not tensors or self.in_process:
             return
         self.finite = all(bool(torch.isfinite(t).all()) for t in tensors.values())
         if not self.finite:
@@ -117,17 +137,32 @@ class VllmGenerator(InProcessGenerator):
                 "id": adapter_id,
                 "path": str(directory),
             }
-            self.pool.load_adapter(adapter)
+            try:
+                self.pool.load_adapter(adapter)
+            except RuntimeError as exc:  # this family's adapter: served in-process
+                if not unsupported(str(exc)):
+                    raise
+                self._sample_in_process(str(exc), adapter_id, directory)
+                return
             self.served, self.served_dir = adapter, directory
             if old is not None:
                 self.pool.drop_adapter(int(old["id"]))
         else:
             weights = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
-            save_file(weights, str(directory / "model.safetensors"))
+            write_full_weights(getattr(self.policy, "generator", None), weights, directory)
             self.pool.load_weights(directory)
             self.served_dir = directory
         if old_dir is not None:
             shutil.rmtree(old_dir, ignore_errors=True)
+
+    def _sample_in_process(self, why: str, adapter_id: int, directory: Path) -> None:
+        """vLLM refused this session's adapter: its samples run on the in-process loop."""
+        with contextlib.suppress(Exception):
+            self.pool.drop_adapter(adapter_id)
+        shutil.rmtree(directory, ignore_errors=True)
+        self.in_process = f"vLLM refused its adapter: {why}"
+        self.pool.in_process[self.name] = self.in_process
+        log.warning("session %s samples on the in-process loop: %s", self.name, self.in_process)
 
     def _write_adapter(self, tensors: Weights, directory: Path) -> None:
         from trainer.compute.policy import LoraPolicy
@@ -141,6 +176,7 @@ class VllmGenerator(InProcessGenerator):
 
     def close(self) -> None:
         """Drop the session's adapter from the replicas, and its files."""
+        self.pool.in_process.pop(self.name, None)
         if self.served is not None:
             with contextlib.suppress(Exception):  # replicas already gone: nothing to drop
                 self.pool.drop_adapter(int(self.served["id"]))
@@ -152,7 +188,7 @@ class VllmGenerator(InProcessGenerator):
     # -- samples ---------------------------------------------------------------------------
 
     def sample(self, session: SamplingSession, call: SampleCall) -> dict[str, Any]:
-        if call.return_routed_experts:  # routes are recorded by the in-process loop only
+        if call.return_routed_experts or self.in_process:  # (the module docstring)
             return sample_alone(session, call)
         rng_before = session.cpu_rng.clone()
         versions_before = replace(session.versions)

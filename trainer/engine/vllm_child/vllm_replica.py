@@ -84,6 +84,22 @@ def _repack_output_heads(model: Any) -> None:
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
+def _request_amx() -> bool:
+    """AMX permission for this process before vLLM's kernels run (`sitecustomize.py` asked
+    already, at start-up; torch's own request where it has one). False without AMX."""
+    try:
+        import torch
+
+        init = getattr(torch.cpu, "_init_amx", None)
+        if init is not None and init():
+            return True
+        from sitecustomize import request_amx
+
+        return bool(request_amx())
+    except Exception:  # no AMX, or no way to ask: vLLM's kernels then do without it
+        return False
+
+
 class Replica:
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = config
@@ -98,6 +114,7 @@ class Replica:
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
+        _request_amx()
         c = self.config
         args: dict[str, Any] = {
             "model": c["model"],
