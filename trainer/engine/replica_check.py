@@ -27,10 +27,10 @@ import math
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from trainer.engine.replicas import ReplicaPool
+    import torch
 
 PROMPT_TOKENS = 16
 NEW_TOKENS = 16
@@ -45,6 +45,18 @@ _UNSUPPORTED = re.compile(
     r"requires (?:BF16|FP16|bfloat16|float16)",
     re.IGNORECASE,
 )
+
+
+class Pool(Protocol):
+    """What the check needs of a `replicas.ReplicaPool` (which imports this module)."""
+
+    workdir: Path
+
+    def generate(
+        self, rows: list[dict[str, Any]], params: dict[str, Any]
+    ) -> list[dict[str, Any]]: ...
+
+    def load_weights(self, path: Path, restarts: bool = True) -> None: ...
 
 
 class GeneratorFallback(Exception):
@@ -110,7 +122,7 @@ def model_logprobs(model: Any, prompt: list[int], tokens: list[int]) -> list[flo
     return [float(x) for x in picked.cpu()]
 
 
-def disagreement(pool: ReplicaPool, model: Any, replica_dtype: str) -> str | None:
+def disagreement(pool: Pool, model: Any, replica_dtype: str) -> str | None:
     """None when a replica's logprobs of a greedy continuation are the trainer's (module
     docstring); else what differs, in words."""
     import torch
@@ -147,15 +159,29 @@ def disagreement(pool: ReplicaPool, model: Any, replica_dtype: str) -> str | Non
     )
 
 
-def check(pool: ReplicaPool, model: Any, replica_dtype: str, *, lora: bool) -> str | None:
+def write_full_weights(model: Any, weights: dict[str, torch.Tensor], directory: Path) -> None:
+    """Full weights (CPU tensors, canonical names) as `directory/model.safetensors` under the
+    checkpoint's names and shapes, which vLLM's loader reads: transformers' load-time
+    conversions of `model`'s class reverted (a fused MoE expert stack back to one tensor per
+    expert, as the checkpoint has them)."""
+    from safetensors.torch import save_file
+
+    if model is not None:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        reverted: dict[str, torch.Tensor] = revert_weight_conversion(model, dict(weights))
+        if reverted.keys() != weights.keys():  # split views of one tensor: saved apart
+            weights = {name: t.contiguous().clone() for name, t in reverted.items()}
+    save_file(weights, str(directory / "model.safetensors"))
+
+
+def check(pool: Pool, model: Any, replica_dtype: str, *, lora: bool) -> str | None:
     """`disagreement` on the weights the replicas loaded; for full weights, once more after
     they reload the same weights in place, as a session's first sync makes them (what vLLM
     cannot reload in place, or reloads into other numbers, is not served)."""
     why = disagreement(pool, model, replica_dtype)
     if why is not None or lora:
         return why
-    from trainer.engine.vllm_generator import write_full_weights
-
     directory = pool.workdir / "start-check"
     directory.mkdir()
     try:

@@ -48,7 +48,7 @@ from trainer.engine.generator import (
     sample_alone,
 )
 from trainer.engine.in_process import InProcessGenerator
-from trainer.engine.replica_check import unsupported
+from trainer.engine.replica_check import unsupported, write_full_weights
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -67,20 +67,6 @@ _ROW_SEED_STEP = 0x9E3779B97F4A7C15
 def row_seed(seed: int, row: int) -> int:
     """Row `row`'s own seed of a call seeded `seed`: the same call gives the same tokens."""
     return (seed + row * _ROW_SEED_STEP) % (1 << 63)
-
-
-def write_full_weights(model: Any, weights: dict[str, torch.Tensor], directory: Path) -> None:
-    """Full weights (CPU tensors, canonical names) as `directory/model.safetensors` under the
-    checkpoint's names and shapes, which vLLM's loader reads: transformers' load-time
-    conversions of `model`'s class reverted (a fused MoE expert stack back to one tensor per
-    expert, as the checkpoint has them)."""
-    if model is not None:
-        from transformers.core_model_loading import revert_weight_conversion
-
-        reverted: dict[str, torch.Tensor] = revert_weight_conversion(model, dict(weights))
-        if reverted.keys() != weights.keys():  # split views of one tensor: saved apart
-            weights = {name: t.contiguous().clone() for name, t in reverted.items()}
-    save_file(weights, str(directory / "model.safetensors"))
 
 
 class VllmGenerator(InProcessGenerator):
