@@ -1,0 +1,109 @@
+"""A live worker for the official Fireworks training SDK (`tests/fireworks/venv.py`).
+
+The catalogue serves two tiny random models under Fireworks-style names (the cookbook's
+`validate_config` wants a base model that starts with `accounts/`), each with the word-level
+tokenizer of the Tinker tests (`tests.tinker.conftest.build_tokenizer`) in its own directory:
+- `QWEN`: a tiny Qwen3 (tied head), weights scaled 8x so logprobs are far from uniform;
+- `LLAMA`: a tiny Llama (untied head), the second family.
+
+`run_fw` runs a script with a venv's python, `FIREWORKS_BASE_URL` and `FIREWORKS_API_KEY`
+pointing at the worker, and returns the JSON object it prints last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.api.conftest import TOKEN, LiveServer, serve_in_thread
+from tests.fireworks.venv import VERSIONS, fireworks_python
+from tests.tinker.conftest import build_served_model
+
+HERE = Path(__file__).parent
+SCRIPTS = HERE / "sdk_scripts"
+REPO = HERE.parent.parent
+
+QWEN = "accounts/fireworks/models/qwen3-tiny"
+LLAMA = "accounts/fireworks/models/llama-tiny"
+
+
+@pytest.fixture(scope="session", params=VERSIONS)
+def fw_python(request: pytest.FixtureRequest) -> Path:
+    """Each SDK line in turn (tests that take this fixture run once per version)."""
+    return fireworks_python(request.param)
+
+
+@pytest.fixture(scope="session")
+def fw_python_latest() -> Path:
+    return fireworks_python(VERSIONS[0])
+
+
+@pytest.fixture(scope="session")
+def fw_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("fireworks-models")
+    qwen, llama = root / "qwen", root / "llama"
+    return {
+        QWEN: build_served_model(qwen, scale=8.0, seed=0, tokenizer_dir=qwen),
+        LLAMA: build_served_model(llama, scale=8.0, seed=1, tokenizer_dir=llama, arch="llama"),
+    }
+
+
+@pytest.fixture(scope="module")
+def fw_server(
+    fw_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveServer]:
+    storage = tmp_path_factory.mktemp("fireworks-storage")
+    with serve_in_thread(storage, fw_models) as live:
+        yield live
+
+
+def fw_env(server: LiveServer, api_key: str = TOKEN, **extra: str) -> dict[str, str]:
+    """The environment a Fireworks user sets, pointed at the worker."""
+    env = dict(os.environ)
+    for name in [n for n in env if n.startswith("FIREWORKS_")]:
+        del env[name]
+    env.update(
+        FIREWORKS_BASE_URL=server.url,
+        FIREWORKS_API_KEY=api_key,
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        WANDB_MODE="disabled",
+        PYTHONPATH=str(REPO),
+        **extra,
+    )
+    return env
+
+
+def run_fw(
+    python: Path,
+    server: LiveServer,
+    argv: list[str],
+    timeout: float = 300,
+    api_key: str = TOKEN,
+    **env: str,
+) -> dict[str, Any]:
+    """Run `python argv...` against `server`; the JSON object on its last stdout line."""
+    proc = subprocess.run(
+        [str(python), *argv],
+        env=fw_env(server, api_key, **env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"{argv} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+            f"\n--- stderr\n{proc.stderr[-8000:]}"
+        )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"{argv} printed no JSON\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
