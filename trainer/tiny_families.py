@@ -76,6 +76,7 @@ _COMPOSITE_CLASSES = {  # the architecture the multimodal hub checkpoints name
 def _common(**extra: Any) -> dict[str, Any]:
     """The fields every decoder config shares; `extra` adds or overrides."""
     fields: dict[str, Any] = dict(
+        num_hidden_layers=2,
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
         intermediate_size=96,
@@ -94,13 +95,20 @@ def _common(**extra: Any) -> dict[str, Any]:
 def _qwen3() -> Any:
     from transformers import Qwen3Config
 
-    return Qwen3Config(**_common(num_hidden_layers=2, head_dim=HEAD_DIM, tie_word_embeddings=True))
+    return Qwen3Config(**_common(head_dim=HEAD_DIM, tie_word_embeddings=True))
 
 
 def _llama() -> Any:
     from transformers import LlamaConfig
 
-    return LlamaConfig(**_common(num_hidden_layers=2, head_dim=HEAD_DIM, tie_word_embeddings=False))
+    return LlamaConfig(**_common(head_dim=HEAD_DIM, tie_word_embeddings=False))
+
+
+def _qwen_experts(**extra: Any) -> dict[str, Any]:
+    """Qwen-style experts (Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next): 4, 2 per token."""
+    return dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=MOE_INTERMEDIATE, **extra
+    )
 
 
 def _qwen3_moe() -> Any:
@@ -108,15 +116,10 @@ def _qwen3_moe() -> Any:
 
     return Qwen3MoeConfig(
         **_common(
-            num_hidden_layers=2,
             head_dim=HEAD_DIM,
             tie_word_embeddings=False,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=MOE_INTERMEDIATE,
             norm_topk_prob=True,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
+            **_qwen_experts(decoder_sparse_step=1, mlp_only_layers=[]),
         )
     )
 
@@ -136,7 +139,6 @@ def _qwen3_5_text() -> Any:
 
     return Qwen3_5TextConfig(
         **_common(
-            num_hidden_layers=2,
             head_dim=HEAD_DIM,
             layer_types=list(_HYBRID_LAYERS),
             rope_parameters=_qwen3_5_rope(),
@@ -161,15 +163,11 @@ def _qwen3_5_moe() -> Any:
     from transformers import Qwen3_5MoeTextConfig
 
     fields = _common(
-        num_hidden_layers=2,
         head_dim=HEAD_DIM,
         layer_types=list(_HYBRID_LAYERS),
         rope_parameters=_qwen3_5_rope(),
         tie_word_embeddings=False,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=MOE_INTERMEDIATE,
-        shared_expert_intermediate_size=32,
+        **_qwen_experts(shared_expert_intermediate_size=32),
         **_LINEAR_ATTENTION,
     )
     del fields["intermediate_size"]  # every layer is sparse
@@ -181,16 +179,12 @@ def _qwen3_next() -> Any:
 
     return Qwen3NextConfig(
         **_common(
-            num_hidden_layers=2,
             head_dim=HEAD_DIM,
             layer_types=list(_HYBRID_LAYERS),
             tie_word_embeddings=False,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=MOE_INTERMEDIATE,
-            shared_expert_intermediate_size=32,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
+            **_qwen_experts(
+                shared_expert_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[]
+            ),
             **_LINEAR_ATTENTION,
         )
     )
@@ -201,7 +195,6 @@ def _gemma3_text() -> Any:
 
     return Gemma3TextConfig(
         **_common(
-            num_hidden_layers=2,
             head_dim=HEAD_DIM,
             query_pre_attn_scalar=HEAD_DIM,
             sliding_window=WINDOW,
@@ -266,7 +259,6 @@ def _gemma4() -> Any:
 
     return Gemma4TextConfig(
         **_common(
-            num_hidden_layers=2,
             head_dim=HEAD_DIM,
             global_head_dim=2 * HEAD_DIM,  # full-attention layers: wider heads
             sliding_window=WINDOW,
@@ -284,7 +276,6 @@ def _gpt_oss() -> Any:
 
     return GptOssConfig(
         **_common(
-            num_hidden_layers=2,
             head_dim=HEAD_DIM,
             intermediate_size=MOE_INTERMEDIATE,  # per expert
             num_local_experts=4,
@@ -310,7 +301,6 @@ def _olmo3() -> Any:
 
     return Olmo3Config(
         **_common(
-            num_hidden_layers=2,
             sliding_window=WINDOW,
             layer_types=["sliding_attention", "full_attention"],
             tie_word_embeddings=False,
@@ -323,7 +313,6 @@ def _mistral() -> Any:
 
     return MistralConfig(
         **_common(
-            num_hidden_layers=2,
             head_dim=HEAD_DIM,
             sliding_window=WINDOW,
             tie_word_embeddings=False,
@@ -336,10 +325,23 @@ def _phi3() -> Any:
 
     return Phi3Config(
         **_common(
-            num_hidden_layers=2,
             original_max_position_embeddings=MAX_POSITIONS,
             tie_word_embeddings=False,
         )
+    )
+
+
+def _deepseek_experts(n_group: int) -> dict[str, Any]:
+    """DeepSeek-style experts (DeepSeek-V3, GLM-4-MoE): 4 routed in `n_group` groups, 2 per
+    token, one shared; layer 0 dense, layer 1 MoE."""
+    return dict(
+        moe_intermediate_size=MOE_INTERMEDIATE,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=n_group,
+        topk_group=1,
+        first_k_dense_replace=1,
     )
 
 
@@ -348,16 +350,9 @@ def _deepseek_v3() -> Any:
 
     return DeepseekV3Config(
         **_common(
-            num_hidden_layers=2,
             num_key_value_heads=HEADS,  # MLA: every head has its own key and value
             intermediate_size=96,
-            moe_intermediate_size=MOE_INTERMEDIATE,
-            n_shared_experts=1,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_group=2,
-            topk_group=1,
-            first_k_dense_replace=1,  # layer 0 dense, layer 1 MoE
+            **_deepseek_experts(n_group=2),
             q_lora_rank=32,
             kv_lora_rank=16,
             qk_rope_head_dim=8,
@@ -373,15 +368,8 @@ def _glm4_moe() -> Any:
 
     return Glm4MoeConfig(
         **_common(
-            num_hidden_layers=2,
             head_dim=HEAD_DIM,
-            moe_intermediate_size=MOE_INTERMEDIATE,
-            n_shared_experts=1,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_group=1,
-            topk_group=1,
-            first_k_dense_replace=1,  # layer 0 dense, layer 1 MoE
+            **_deepseek_experts(n_group=1),
             use_qk_norm=True,
             tie_word_embeddings=False,
         )

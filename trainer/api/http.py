@@ -1,22 +1,28 @@
-"""Small request helpers shared by the routers: the worker, URLs, list query parameters."""
+"""Small request helpers shared by the routers: the worker, URLs, list query parameters and
+the pages of a listing."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from fastapi import Request
 
+from trainer.api.auth import NOBODY, listed_owner, principal_of
 from trainer.api.signing import refused_param
 from trainer.contract.values import parse_int_text
 from trainer.serving.bodies import read_json
+from trainer.serving.catalogue import ResourceRow, SessionRow
 from trainer.serving.errors import ApiError, bad_request
 from trainer.serving.jsonparse import Bounds
+from trainer.serving.ownership import usable_cursor
 from trainer.serving.tenants import Principal
 from trainer.serving.worker import Worker
 
 # a checkpoint file behind a signed URL (served by the RL face, linked from both faces)
 FILE_PATH = "/v1/rl/files/checkpoints/{checkpoint_id}/{variant}/{filename}"
 WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+Listed = TypeVar("Listed", ResourceRow, SessionRow)
 
 
 def worker_of(request: Request) -> Worker:
@@ -90,6 +96,37 @@ def parse_statuses(request: Request, allowed: tuple[str, ...]) -> list[str] | No
         if value not in allowed:
             raise bad_request(f"status: unknown status {value!r}; one of {list(allowed)}", "status")
     return values or None
+
+
+def listed_rows(
+    request: Request,
+    kind: type[Listed],
+    allowed: tuple[str, ...],
+    after: str | None,
+    created_by: str | None,
+    limit: str | None,
+    where: dict[str, str] | None = None,
+    shared: Callable[[Listed], bool] = lambda _: False,
+) -> tuple[list[Listed], bool, int]:
+    """One page of a listing of `kind` rows: the rows, whether more exist, and the page size
+    (`limit`). Filtered by `status` (one of `allowed`), `where` and the owner the caller may
+    list (`listed_owner`); a `created_by` the caller may not list, or an `after` cursor that
+    is not the caller's (nor `shared`), gives an empty page, as for a missing one."""
+    worker = worker_of(request)
+    size = parse_limit(limit)
+    statuses = parse_statuses(request, allowed)
+    who = principal_of(request)
+    owner = listed_owner(who, created_by)
+    if owner is NOBODY:
+        return [], False, size
+    if after and not usable_cursor(worker.store.get(kind, after), who, shared=shared):
+        return [], False, size  # a cursor not the caller's reads as a missing one
+    if owner is not None:
+        where = {**(where or {}), "owner": owner}
+    rows, more = worker.store.page(
+        kind, after=after or None, limit=size, where=where, statuses=statuses
+    )
+    return rows, more, size
 
 
 async def json_object(

@@ -5,7 +5,9 @@ sessions of the same resource run theirs in their own threads (the engine makes 
 and thread-safe across sessions). A queue holds a thread only while it has work: one starts when
 a job arrives at an idle queue and ends when the queue is empty, so idle sessions cost no thread.
 An operation moves PENDING -> RUNNING -> COMPLETED | FAILED; expected failures (`OperationError`)
-keep their code, anything else becomes INTERNAL_ERROR and is logged with its traceback.
+keep their code, anything else becomes INTERNAL_ERROR and is logged with its traceback. What
+an operation runs is an `EngineCall` on its session (a `CountedCall` also carries the tokens it
+trains on, for the metrics).
 
 A status the catalogue cannot take (its disk is full) is kept in memory and served from there,
 so a client polling an operation still sees it finish; it is written once space is freed
@@ -33,6 +35,7 @@ from trainer.serving.catalogue import (
     Catalogue,
     OperationRow,
 )
+from trainer.serving.engine_protocols import EngineSession
 from trainer.serving.errors import is_disk_full
 from trainer.serving.users import LOCAL_USER
 
@@ -40,6 +43,18 @@ log = logging.getLogger(__name__)
 
 ERROR_PREFIX = "TRAINING_OPERATION_ERROR_CODE_"
 Call = Callable[[], dict[str, Any]]
+EngineCall = Callable[[EngineSession], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class CountedCall:
+    """An engine call with the tokens it trains on, for the metrics (`Operation.call`)."""
+
+    run: EngineCall
+    trained_tokens: int = 0
+
+    def __call__(self, session: EngineSession) -> dict[str, Any]:
+        return self.run(session)
 
 
 def op_error(code: str, message: str) -> dict[str, str]:

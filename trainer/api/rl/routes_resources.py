@@ -11,11 +11,11 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
 from pydantic import ValidationError
 
-from trainer.api.auth import NOBODY, listed_owner, principal_of
+from trainer.api.auth import principal_of
 from trainer.api.http import (
     FILE_PATH,
+    listed_rows,
     parse_limit,
-    parse_statuses,
     sign_for,
     verify_signed,
     worker_of,
@@ -101,19 +101,14 @@ async def list_resources(
     created_by: str | None = None,
     limit: str | None = None,
 ) -> dict[str, Any]:
-    worker = worker_of(request)
-    size = parse_limit(limit)
-    statuses = parse_statuses(request, _RESOURCE_STATUSES)
-    owner = listed_owner(principal_of(request), created_by)
-    if owner is NOBODY:
-        return page_json([], False, size)
-    if after and not usable_cursor(
-        worker.store.get(ResourceRow, after), principal_of(request), shared=lambda r: r.shared
-    ):
-        return page_json([], False, size)  # a cursor not the caller's reads as a missing one
-    where = {"owner": owner} if owner is not None else None
-    rows, more = worker.store.page(
-        ResourceRow, after=after or None, limit=size, where=where, statuses=statuses
+    rows, more, size = listed_rows(
+        request,
+        ResourceRow,
+        _RESOURCE_STATUSES,
+        after,
+        created_by,
+        limit,
+        shared=lambda r: r.shared,
     )
     return page_json([resource_json(r) for r in rows], more, size)
 

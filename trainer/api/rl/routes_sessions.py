@@ -10,11 +10,10 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
 from pydantic import ValidationError
 
-from trainer.api.auth import NOBODY, listed_owner, principal_of
+from trainer.api.auth import principal_of
 from trainer.api.http import (
     json_object,
-    parse_limit,
-    parse_statuses,
+    listed_rows,
     sign_for,
     verify_signed,
     worker_of,
@@ -28,7 +27,6 @@ from trainer.serving.errors import (
     from_pydantic,
     not_found,
 )
-from trainer.serving.ownership import usable_cursor
 from trainer.serving.requests import CreateSessionBody, UpdateSessionBody
 from trainer.serving.responses import page_json, session_json
 from trainer.serving.tenants import Principal, over_quota
@@ -79,20 +77,11 @@ async def list_sessions(
     limit: str | None = None,
     model_resources_id: str | None = None,
 ) -> dict[str, Any]:
-    worker = worker_of(request)
-    size = parse_limit(limit)
-    statuses = parse_statuses(request, _SESSION_STATUSES)
-    owner = listed_owner(principal_of(request), created_by)
-    if owner is NOBODY:
-        return page_json([], False, size)
-    if after and not usable_cursor(worker.store.get(SessionRow, after), principal_of(request)):
-        return page_json([], False, size)  # a cursor not the caller's reads as a missing one
     where = {"resource_id": model_resources_id} if model_resources_id else {}
-    if owner is not None:
-        where["owner"] = owner
-    rows, more = worker.store.page(
-        SessionRow, after=after or None, limit=size, where=where, statuses=statuses
+    rows, more, size = listed_rows(
+        request, SessionRow, _SESSION_STATUSES, after, created_by, limit, where
     )
+    worker = worker_of(request)
     return page_json([await render(worker, r) for r in rows], more, size)
 
 
