@@ -100,7 +100,7 @@ def test_each_key_form_drives_a_request(live: LiveServer, model: str) -> None:
     ("method", "path"),
     [
         ("GET", "/api/v1/nope"),
-        ("POST", "/api/v1/forward"),
+        ("POST", "/api/v1/forwards"),
         ("POST", "/api/v1/a/b/c/d"),
         ("DELETE", "/api/v1/create_model/extra"),
         ("PATCH", "/api/v1/%E2%98%83"),
@@ -161,7 +161,7 @@ BREAKS: dict[str, list[tuple[str, Any, str]]] = {
         ("base_model", "no-such-model", "base_model"),
         ("model_seq_id", "x", "model_seq_id"),
         ("model_seq_id", -1, "model_seq_id"),
-        ("lora_config", {"rank": 0}, "lora_config"),
+        ("lora_config", {"rank": -1}, "lora_config"),
         ("lora_config", {"rank": 10**9}, "lora_config.rank"),
         ("lora_config", "x", "lora_config"),
     ],
@@ -183,8 +183,21 @@ BREAKS: dict[str, list[tuple[str, Any, str]]] = {
         ("forward_backward_input", {"data": "x", "loss_fn": "cross_entropy"}, "data"),
         ("forward_backward_input", {"data": [{}], "loss_fn": "cross_entropy"}, "data[0]"),
     ],
+    "/forward": [
+        ("model_id", None, "model_id"),
+        ("forward_input", None, "forward_input"),
+        ("forward_input", {"data": [th.datum()], "loss_fn": "nope"}, "loss_fn"),
+        ("forward_input", {"data": [{}], "loss_fn": "cross_entropy"}, "data[0]"),
+    ],
+    "/load_adapter": [
+        ("model_id", None, "model_id"),
+        ("adapter_path", None, "adapter_path"),
+        ("adapter_path", "gs://bucket/adapter", "adapter_path"),
+        ("adapter_path", "accounts/a/models/nope", "adapter_path"),
+    ],
     "/optim_step": [
         ("model_id", None, "model_id"),
+        ("grad_accumulation_normalization", "mean", "grad_accumulation_normalization"),
         ("adam_params", None, "adam_params"),
         ("adam_params", "x", "adam_params"),
         ("adam_params", {"learning_rate": "x"}, "adam_params.learning_rate"),
@@ -353,7 +366,8 @@ def test_limits_are_4xx_naming_the_tinker_field(
         "prompt_logprobs": True,
     }
     cases = [
-        ("/forward_backward", with_data(model, *[th.TOKENS] * 5), "forward_backward_input.data"),
+        # past the Tinker chunk cap (1,024 datums: above max_batch_size 4, `specs.chunk_datums`)
+        ("/forward_backward", with_data(model, *[[1, 2]] * 1025), "forward_backward_input.data"),
         (
             "/forward_backward",
             with_data(model, list(range(1, 41))),

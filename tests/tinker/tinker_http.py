@@ -195,6 +195,13 @@ def valid_bodies(
         "/weights_info": {"tinker_path": saved},
         "/retrieve_future": {"request_id": "req_x"},
         "/forward_backward": fb_body(model, seq_id=7),
+        "/forward": {
+            "model_id": model,
+            "forward_input": {"data": [datum()], "loss_fn": "cross_entropy"},
+            "seq_id": 7,
+        },
+        # (no adapter there: a 400 naming adapter_path, once the model is found)
+        "/load_adapter": {"model_id": victim, "adapter_path": "/no-such-adapter", "seq_id": 7},
         "/optim_step": optim_body(model, seq_id=7),
         "/save_weights": {"model_id": model, "path": "p", "seq_id": 7},
         "/save_weights_for_sampler": {"model_id": model, "path": "p", "seq_id": 7},

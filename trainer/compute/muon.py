@@ -13,7 +13,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr
 
-from trainer.compute.optim import all_or_nothing, clip_global, new_adamw, set_adam_knobs
+from trainer.compute.optim import (
+    all_or_nothing,
+    clip_global,
+    new_adamw,
+    scale_grads_,
+    set_adam_knobs,
+)
 from trainer.contract.muon_params import MuonParams
 from trainer.contract.optimizer import ADJUST_LR_FN
 
@@ -184,11 +190,14 @@ def muon_step(
     params: list[nn.Parameter],
     muon: MuonParams,
     comm: Communicator,
+    grad_scale: float = 1.0,
 ) -> dict[str, float]:
-    """One global clip over every tensor (`muon_params.grad_clip_norm`), then Muon and AdamW
-    with this call's knobs, then zero gradients. NON_FINITE_LOSS, and nothing moves, when the
-    norm or the update is not finite (`all_or_nothing`)."""
+    """The gradients times `grad_scale` (`optim.adamw_step`), one global clip over every
+    tensor (`muon_params.grad_clip_norm`), then Muon and AdamW with this call's knobs, then
+    zero gradients. NON_FINITE_LOSS, and nothing moves, when the norm or the update is not
+    finite (`all_or_nothing`)."""
     with all_or_nothing(optimizer, params, comm):
+        scale_grads_(params, grad_scale)
         norm = clip_global(params, muon.grad_clip_norm, comm)
         clipped = min(norm, muon.grad_clip_norm) if muon.grad_clip_norm > 0 else norm
         optimizer.set_knobs(muon)

@@ -95,6 +95,16 @@ def clip_global(params: list[nn.Parameter], max_norm: float, comm: Communicator)
     return norm
 
 
+def scale_grads_(params: list[nn.Parameter], scale: float) -> None:
+    """Multiply each rank's part of the gradients by `scale` (1: untouched, bit for bit)."""
+    if scale == 1.0:
+        return
+    with torch.no_grad():
+        for param in params:
+            if param.grad is not None:
+                local_part(param.grad).mul_(scale)
+
+
 def set_adam_knobs(optimizer: torch.optim.Optimizer, adam: AdamParams) -> None:
     for group in optimizer.param_groups:
         group.update(
@@ -173,11 +183,14 @@ def adamw_step(
     params: list[nn.Parameter],
     adam: AdamParams,
     comm: Communicator,
+    grad_scale: float = 1.0,
 ) -> dict[str, float]:
-    """Global-norm clipping, then AdamW (decoupled decay) with this call's knobs, then zero
-    gradients. NON_FINITE_LOSS, and nothing moves, when the norm or the update is not finite
-    (`all_or_nothing`)."""
+    """The gradients times `grad_scale` (the accumulation's normalization, docs/semantics.md
+    §23), global-norm clipping, then AdamW (decoupled decay) with this call's knobs, then zero
+    gradients. NON_FINITE_LOSS, and nothing moves (the gradients unscaled), when the norm or
+    the update is not finite (`all_or_nothing`)."""
     with all_or_nothing(optimizer, params, comm):
+        scale_grads_(params, grad_scale)
         norm = clip_global(params, adam.grad_clip_norm, comm)
         clipped = min(norm, adam.grad_clip_norm) if adam.grad_clip_norm > 0 else norm
         set_adam_knobs(optimizer, adam)

@@ -207,6 +207,17 @@ class SamplingParams(Spec):
 # --------------------------------------------------------------------------------------------
 
 
+CHUNK_DATUMS = 1024
+"""The datums one Tinker forward / forward-backward call may carry whatever the model's
+`max_batch_size` (the Fireworks SDK sends chunks of up to 1,024): memory is bounded by
+`max_tokens_per_call` and `max_seq_length`, which still hold."""
+
+
+def chunk_datums(max_batch_size: int) -> int:
+    """The sample cap of a Tinker forward(-backward) call on a model of `max_batch_size`."""
+    return max(max_batch_size, CHUNK_DATUMS)
+
+
 class ModelEntry(StrictSpec):
     """One base model the worker can serve, with its limits."""
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -35,6 +35,7 @@ from trainer.contract.specs import (
     Sample,
     SamplingParams,
     SessionSpec,
+    chunk_datums,
 )
 from trainer.engine.backends import generator_for
 from trainer.engine.batching.work import GradStash, WorkItem
@@ -75,6 +76,10 @@ class TrainingSession:
     training_checkpoints: list[CheckpointRecord] = field(default_factory=list)
     inference_checkpoints: list[CheckpointRecord] = field(default_factory=list)
     active: bool = True
+    # what the gradients accumulated since the last optimizer step were computed over
+    # (`keep_grads`): tokens with m_t != 0, and samples with at least one (docs/semantics.md §23)
+    accumulated_tokens: int = 0
+    accumulated_sequences: int = 0
     generator: Generator = field(init=False, repr=False, compare=False)  # serves its samples
 
     def __post_init__(self) -> None:
@@ -162,7 +167,7 @@ class TrainingSession:
             samples,
             vocab_size=self.resource.vocab_size,
             max_seq_length=entry.max_seq_length,
-            max_batch_size=entry.max_batch_size,
+            max_batch_size=chunk_datums(entry.max_batch_size),  # the faces check theirs
             required=required,
             weights_are_mask=weights_are_mask,
             soft_targets=soft_targets,
@@ -276,30 +281,54 @@ class TrainingSession:
         for name, param in self.policy.trainable.items():
             param.grad = stash[name]
 
-    def keep_grads(self, stash: GradStash) -> None:
+    def keep_grads(self, stash: GradStash, prepared: Sequence[PreparedSample] = ()) -> None:
         for name, param in self.policy.trainable.items():
             old = stash[name]
             if old is None:
                 continue
             param.grad = old if param.grad is None else old.add_(param.grad)
+        for sample in prepared:  # every call's samples (every rank counts them all)
+            tokens = int((sample.mask_T != 0).sum())
+            self.accumulated_tokens += tokens
+            self.accumulated_sequences += tokens > 0
+
+    def grad_scale(self, normalization: str | None) -> float:
+        """What `optim_step` multiplies the accumulated gradients by (docs/semantics.md §23):
+        1 / the loss tokens (`num_loss_tokens`) or the sequences (`num_sequences`) accumulated
+        since the last step; 1 for None or when there are none."""
+        count = {
+            "num_loss_tokens": self.accumulated_tokens,
+            "num_sequences": self.accumulated_sequences,
+        }.get(normalization or "", 0)
+        return 1.0 / count if count > 0 else 1.0
 
     # -- optimizer -------------------------------------------------------------------------
 
     def optim_step(
-        self, adam: AdamParams | None = None, muon: MuonParams | None = None
+        self,
+        adam: AdamParams | None = None,
+        muon: MuonParams | None = None,
+        grad_accumulation_normalization: str | None = None,
     ) -> dict[str, Any]:
-        """The resource's optimizer with per-call knobs (omitted: defaults): global-norm
-        clipping, then AdamW (decoupled decay) or Muon + AdamW (`muon.py`), then zero grads."""
+        """The resource's optimizer with per-call knobs (omitted: defaults): the accumulated
+        gradients normalized (`grad_scale`), global-norm clipping, then AdamW (decoupled decay)
+        or Muon + AdamW (`muon.py`), then zero grads and counts."""
         is_muon = isinstance(self.optimizer, MuonWithAdamW)
         if (adam if is_muon else muon) is not None:  # the route refuses it first, as a 400
             field = "adam_params" if is_muon else "muon_params"
             raise OperationError("INVALID_INPUT", f"{field}: not the resource's optimizer", field)
         with self.operation_scope():
             params = list(self.policy.trainable.values())
+            scale = self.grad_scale(grad_accumulation_normalization)
             if isinstance(self.optimizer, MuonWithAdamW):
-                metrics = muon_step(self.optimizer, params, muon or MuonParams(), self.comm)
+                metrics = muon_step(self.optimizer, params, muon or MuonParams(), self.comm, scale)
             else:
-                metrics = optim.adamw_step(self.optimizer, params, adam or AdamParams(), self.comm)
+                metrics = optim.adamw_step(
+                    self.optimizer, params, adam or AdamParams(), self.comm, scale
+                )
+            if grad_accumulation_normalization is not None:
+                metrics["grad_accumulation_scale"] = scale
+            self.accumulated_tokens = self.accumulated_sequences = 0
             self.step += 1
             self.versions.trainer_step += 1
         if self.tracker is not None:

@@ -13,6 +13,8 @@ from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 
+from trainer.contract.specs import chunk_datums
+
 MAX_DEPTH = 64
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 _EXACT_FLOAT_INT = 1 << 53  # integers that float64 holds exactly
@@ -26,6 +28,8 @@ PACKED_PATHS: tuple[Pattern, ...] = (
     ("model_inputs", ANY, "chunks", ANY, "encoded_text", "tokens"),
     ("forward_backward_input", "data", ANY, "model_input", "chunks", ANY, "tokens"),
     ("forward_backward_input", "data", ANY, "loss_fn_inputs", ANY, "data"),
+    ("forward_input", "data", ANY, "model_input", "chunks", ANY, "tokens"),
+    ("forward_input", "data", ANY, "loss_fn_inputs", ANY, "data"),
 )
 
 # packed array dtypes, one letter each on the child's reply
@@ -81,7 +85,7 @@ class Bounds:
             max_batch_size=batch,
             max_seq_length=max(m.max_seq_length for m in entries),
             max_tokens_per_call=max(m.max_tokens_per_call for m in entries),
-            max_items=min(ITEMS_PER_SAMPLE * batch + (1 << 16), 1 << 20),
+            max_items=min(ITEMS_PER_SAMPLE * chunk_datums(batch) + (1 << 16), 1 << 20),
         )
 
     def as_dict(self) -> dict[str, int]:

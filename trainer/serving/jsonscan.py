@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 
 from trainer.contract.losses import MAX_TARGET_COLUMNS, SOFT_INPUTS
+from trainer.contract.specs import chunk_datums
 from trainer.serving.jsonparse import (
     ANY,
     INT64_MAX,
@@ -59,34 +60,45 @@ _BATCHES: tuple[Pattern, ...] = (
     ("samples",),
     ("gradients",),
     ("model_inputs",),
+)
+_DATUMS: tuple[Pattern, ...] = (  # the Tinker face's chunks (`specs.chunk_datums`)
     ("forward_backward_input", "data"),
+    ("forward_input", "data"),
 )
 # token arrays: (pattern, length of the prefix naming the sample's model input)
 _TOKENS: tuple[tuple[Pattern, int], ...] = (
     (("samples", ANY, "model_input", "chunks", ANY, "encoded_text", "tokens"), 3),
     (("model_inputs", ANY, "chunks", ANY, "encoded_text", "tokens"), 2),
     (("forward_backward_input", "data", ANY, "model_input", "chunks", ANY, "tokens"), 4),
+    (("forward_input", "data", ANY, "model_input", "chunks", ANY, "tokens"), 4),
     (("prompt", "chunks", ANY, "tokens"), 1),
 )
 _PER_TOKEN: tuple[Pattern, ...] = (
     ("samples", ANY, "model_input", "chunks"),
     ("model_inputs", ANY, "chunks"),
     ("forward_backward_input", "data", ANY, "model_input", "chunks"),
+    ("forward_input", "data", ANY, "model_input", "chunks"),
     ("prompt", "chunks"),
     ("samples", ANY, "loss_fn_inputs", ANY, "data"),
     ("gradients", ANY, "data"),
     ("forward_backward_input", "data", ANY, "loss_fn_inputs", ANY, "data"),
+    ("forward_input", "data", ANY, "loss_fn_inputs", ANY, "data"),
 )
 # the inputs that may be [T, K] soft targets (flat data): up to MAX_TARGET_COLUMNS per token;
 # the rulebook checks each one's exact length once its shape is known
 _PER_TARGET: tuple[Pattern, ...] = tuple(
     (*prefix, "loss_fn_inputs", name, "data")
-    for prefix in (("samples", ANY), ("forward_backward_input", "data", ANY))
+    for prefix in (
+        ("samples", ANY),
+        ("forward_backward_input", "data", ANY),
+        ("forward_input", "data", ANY),
+    )
     for name in SOFT_INPUTS
 )
 _INPUTS: tuple[Pattern, ...] = (
     ("samples", ANY, "loss_fn_inputs"),
     ("forward_backward_input", "data", ANY, "loss_fn_inputs"),
+    ("forward_input", "data", ANY, "loss_fn_inputs"),
 )
 
 
@@ -148,6 +160,8 @@ class Scanner:
         b = self.bounds
         if matches(self.parts, _BATCHES):
             return b.max_batch_size, "max_batch_size"
+        if matches(self.parts, _DATUMS):
+            return chunk_datums(b.max_batch_size), "max_batch_size"
         if matches(self.parts, _PER_TARGET):
             return b.max_seq_length * MAX_TARGET_COLUMNS, f"{MAX_TARGET_COLUMNS} x max_seq_length"
         if matches(self.parts, _PER_TOKEN):

@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from trainer.contract.losses import LOSS_SPECS
-from trainer.contract.specs import ModelEntry
+from trainer.contract.specs import ModelEntry, chunk_datums
 from trainer.engine.session import TrainingSession
 from trainer.serving.catalogue import ResourceRow
 from trainer.serving.checkpoint_errors import save_checkpoint
@@ -260,5 +260,7 @@ def prepare_call(
     if entry is None:
         raise bad_request("the session's base model is no longer served", "session_id")
     config = resource.spec.get("optimizer_config") if resource is not None else None
+    if not rl_face and spec.kind == "forward-backward":  # the Tinker face's chunks
+        entry = entry.model_copy(update={"max_batch_size": chunk_datums(entry.max_batch_size)})
     vocab, tokenizer = vocab_size_of(worker, entry.name), has_tokenizer(worker, entry.name)
     return validated_call(spec, body, entry, config, vocab, extra, tokenizer)

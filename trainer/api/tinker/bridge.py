@@ -27,6 +27,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from trainer.api.tinker.dispatch import Dispatchers, Task
@@ -126,6 +127,10 @@ class TinkerBridge:
         self.waiters = Waiters()
         self.dispatchers = Dispatchers()
         self.on_sessions_ended: list[Callable[[list[str]], None]] = []
+        # `load_adapter`'s model names (`accounts/<a>/models/<m>`): each resolver answers the
+        # PEFT directory a name is for the caller, or None (not its name, or not theirs); the
+        # Fireworks face appends its promoted models' (`routes_firetitan.load_adapter`)
+        self.model_resolvers: list[Callable[[str, Principal], Path | None]] = []
         self._resource_lock = threading.Lock()
         self._resources: dict[str, str] = {}  # base model -> the resource this face made
         self._write_lock = threading.Lock()  # a future's write, `flush` and `close`
@@ -294,7 +299,7 @@ class TinkerBridge:
             )
             self.db.update(TinkerSession, session.id, ended_at=now)
             for model in self.db.select(TinkerModel, "tinker_session = ?", (session.id,)):
-                self.stop_session(model.session_id)
+                self.release(model)
         ids = [s.id for s in ended]
         if ids:
             for hook in self.on_sessions_ended:
@@ -382,6 +387,14 @@ class TinkerBridge:
     def stop_session(self, session_id: str) -> None:
         with contextlib.suppress(ApiError):
             self.worker.stop_session(session_id)
+
+    def release(self, model: TinkerModel) -> None:
+        """Close the model's session, and the full-weight resource it made for itself
+        (unbound full weights: `models.py`), which would hold its owner's quota until idle."""
+        self.stop_session(model.session_id)
+        if model.lora_rank == 0 and not model.frozen and model.scope is None:
+            with contextlib.suppress(ApiError):
+                self.worker.stop_resource(model.resource_id, force=True)
 
     # -- operations ------------------------------------------------------------------------
 

@@ -1,6 +1,10 @@
-"""Tinker requests and results to and from the engine's operation bodies and results.
+"""Tinker requests and results to and from the engine's operation bodies and results
+(training: forward, forward-backward, optim-step; sampling is in `convert_sample`).
 
-Design notes: `docs/design/tinker.md`.
+A forward-only call (the SDK's `forward`, or `forward_backward` with `forward_only`) reads
+the `loss_fn_inputs` its loss reads and ignores any other (the Fireworks cookbook's reference
+forward sends `loss_mask`, advantages, ...); a forward-backward refuses them, naming the field
+(docs/semantics.md §23). Design notes: `docs/design/tinker.md`.
 """
 
 from __future__ import annotations
@@ -15,13 +19,13 @@ from trainer.api.tinker.convert_inputs import (
     TinkerInputError,
     as_tinker,
     flag,
-    integer,
     number,
     table_shape,
     tensor_values,
     token_ids,
     validated,
 )
+from trainer.api.tinker.convert_sample import SAMPLE_EXTRA, sample_body, sample_output
 from trainer.api.tinker.stability import Provenance, parse_spans
 from trainer.contract.base import Spec
 from trainer.contract.losses import LOSS_SPECS, TOKEN_INPUTS
@@ -29,12 +33,8 @@ from trainer.contract.optimizer import AdamParams
 from trainer.contract.rules import (
     Needs,
     check_inputs,
-    check_last_n,
-    check_num_samples,
     check_same_columns,
-    check_topk,
 )
-from trainer.contract.specs import SamplingParams
 
 __all__ = [
     "SAMPLE_EXTRA",
@@ -84,6 +84,8 @@ _TINKER_LOSSES = {
         },
         extra=("sequence_ratio_mask",),
     ),
+    # the registry's DPPO (docs/semantics.md §1), with its own defaults
+    "dppo": _TinkerLoss("LOSS_TYPE_DPPO", {"delta_low": 0.15, "delta_high": 0.15}),
     # the sampler's logprobs are the records', not the datum's (docs/semantics.md §13)
     "stable_reinforce": _TinkerLoss(
         "LOSS_TYPE_STABLE_REINFORCE", {"kl_coeff": 0.0, "truncation": 2.0}, provenance=True
@@ -93,6 +95,12 @@ _REFUSED = {
     "custom": "server-side custom losses are not supported; use forward_backward_custom, which "
     "computes the loss on the client",
 }
+# loss names the Fireworks SDK knows (`types/loss_fn_type.py`) whose semantics no loss of our
+# registry defines: refused, naming what is served
+_UNDEFINED = ("dapo", "reinforce")
+# `loss_fn_config` keys the Fireworks SDK reads, accepted where they ask for what this worker
+# computes anyway (`target_logprob_support`: logprobs over the full vocabulary)
+_CONFIG_DEFAULTS = {"target_logprob_support": "full_vocabulary"}
 
 
 def _config(fbi: Mapping[str, Any], loss_fn: str, tinker: _TinkerLoss) -> dict[str, float]:
@@ -102,6 +110,13 @@ def _config(fbi: Mapping[str, Any], loss_fn: str, tinker: _TinkerLoss) -> dict[s
     if not isinstance(raw, Mapping):
         raise TinkerInputError(f"{FBI}.loss_fn_config", "must be an object")
     for key in raw:
+        if key in _CONFIG_DEFAULTS and raw[key] in (None, _CONFIG_DEFAULTS[key]):
+            continue
+        if key in _CONFIG_DEFAULTS:
+            raise TinkerInputError(
+                f"{FBI}.loss_fn_config.{key}",
+                f"only {_CONFIG_DEFAULTS[key]!r} is served, got {str(raw[key])[:100]!r}",
+            )
         if key not in tinker.knobs:
             allowed = sorted(tinker.knobs) or "none"
             raise TinkerInputError(
@@ -141,8 +156,13 @@ def _tinker_loss(fbi: Mapping[str, Any]) -> tuple[str, _TinkerLoss]:
     if loss_fn in _REFUSED:
         raise TinkerInputError(f"{FBI}.loss_fn", _REFUSED[loss_fn])
     if loss_fn not in _TINKER_LOSSES:
+        why = (
+            "is not served: no loss of this worker defines its semantics"
+            if loss_fn in _UNDEFINED
+            else "is unknown"
+        )
         raise TinkerInputError(
-            f"{FBI}.loss_fn", f"unknown loss {loss_fn!r}; one of {sorted(_TINKER_LOSSES)}"
+            f"{FBI}.loss_fn", f"{loss_fn[:100]!r} {why}; served: {sorted(_TINKER_LOSSES)}"
         )
     return loss_fn, _TINKER_LOSSES[loss_fn]
 
@@ -179,7 +199,7 @@ def forward_backward_request(
     built = LOSS_SPECS[tinker.loss_type].built
     if built:
         needs = replace(needs, required=tuple(n for n in needs.required if n not in built))
-    reads = _Reads(needs, tinker, vocab_size)
+    reads = _Reads(needs, tinker, vocab_size, forward_only)
     datums = [_datum(d, f"{FBI}.data[{i}]", reads) for i, d in enumerate(data)]
     targets = [inputs["target_tokens"] for _, inputs in datums]
     columns = [int(t.shape[1]) if t.ndim == 2 else None for t in targets]
@@ -247,6 +267,7 @@ class _Reads(NamedTuple):
     needs: Needs
     tinker: _TinkerLoss
     vocab_size: int | None
+    forward_only: bool = False  # inputs the loss does not read are ignored (module doc)
 
 
 class _Parsed(NamedTuple):
@@ -275,6 +296,8 @@ def _datum(datum: Any, where: str, call: _Reads) -> tuple[list[int], dict[str, n
     built = LOSS_SPECS[tinker.loss_type].built  # sent or not, replaced from the records
     reads = [*dict.fromkeys(("target_tokens", *needs.required, *tinker.extra, *built))]
     reads += [rule.input for rule in needs.rules if rule.input not in reads]
+    if call.forward_only:  # a forward reads what its loss reads; the rest is ignored
+        raw = {name: value for name, value in raw.items() if name in reads}
     for name in raw:
         if name not in reads:
             raise TinkerInputError(
@@ -395,13 +418,35 @@ def optim_step_body(req: dict[str, Any]) -> dict[str, Any]:
             "optim_params.type", f"optimizer {family!r} is not served; this worker trains AdamW"
         )
     for name in params:
-        if name not in _TINKER_ADAM and name != "type":
+        if name not in _TINKER_ADAM and name not in ("type", "emit_grad_norm_metrics"):
             raise TinkerInputError(f"{key}.{name}", "is not an AdamParams field")
+    emit = params.get("emit_grad_norm_metrics")  # grad_norm is always reported
+    if emit is not None and emit not in (True, False, "off", "basic", "detailed"):
+        raise TinkerInputError(
+            f"{key}.emit_grad_norm_metrics", "must be a boolean, 'off', 'basic' or 'detailed'"
+        )
     adam = {name: params.get(name, default) for name, default in _TINKER_ADAM.items()}
     for name, value in adam.items():
         number(value, f"{key}.{name}")
     validated(AdamParams, adam, key)
     return {"adam_params": adam}
+
+
+GRAD_NORMALIZATIONS = ("num_loss_tokens", "num_sequences", "none")
+
+
+def grad_normalization(req: Mapping[str, Any]) -> str | None:
+    """The Fireworks SDK's `grad_accumulation_normalization` of an optim_step request: None
+    (absent, null or `none`: the gradients as accumulated), `num_loss_tokens` or
+    `num_sequences` (docs/semantics.md §23: what the accumulated gradient is divided by)."""
+    value = req.get("grad_accumulation_normalization")
+    if value is None:
+        return None
+    if not isinstance(value, str) or value.lower() not in GRAD_NORMALIZATIONS:
+        raise TinkerInputError(
+            "grad_accumulation_normalization", f"must be one of {list(GRAD_NORMALIZATIONS)}"
+        )
+    return None if value.lower() == "none" else value.lower()
 
 
 def optim_step_output(result: dict[str, Any]) -> dict[str, Any]:
@@ -415,153 +460,3 @@ def optim_step_output(result: dict[str, Any]) -> dict[str, Any]:
             if isinstance(value, int | float) and not isinstance(value, bool)
         }
     }
-
-
-# --------------------------------------------------------------------------------------------
-# sample
-# --------------------------------------------------------------------------------------------
-
-# SampleRequest fields that select the model or sequence (the routes' business) or are off
-_SAMPLE_ROUTING = {"base_model", "model_path", "sampling_session_id", "seq_id", "type"}
-_SAMPLE_OFF = {
-    "topk_sample_logprobs": 0,
-    "target_prompt_logprobs": None,
-    "prompt_alt_tokens_k": 0,
-}
-_SAMPLING_KEYS = ("max_tokens", "seed", "temperature", "top_k", "top_p")
-SAMPLE_EXTRA = "prompt_logprobs_last_n"  # a sample body key the engine takes as an argument
-
-
-def sample_body(req: dict[str, Any], vocab_size: int | None = None) -> dict[str, Any]:
-    """Tinker's `SampleRequest` -> the body of our `sample` operation (one prompt), its token
-    ids checked against `vocab_size` where it is known.
-
-    `stop`: a string or strings stop on text, token ids on those tokens
-    (`stop_token_ids`); None keeps the EOS stop. `[]` (no EOS stop) is refused, as are the
-    features we do not serve (top-k of sampled tokens, target / alternative prompt tokens),
-    each naming its field. `record_stability_info` is the route's business
-    (`trainer.api.tinker.stability`).
-
-    `prompt_logprobs_last_n` (N in [1, len(prompt) - 1], with `prompt_logprobs`) stays in
-    the body under its name, for `SAMPLE_EXTRA` to hand the engine: the RL session API's
-    sample body has no such field."""
-    if not isinstance(req, Mapping):
-        raise TinkerInputError("prompt", "the request must be an object")
-    known = {
-        "prompt",
-        "num_samples",
-        "sampling_params",
-        "prompt_logprobs",
-        "topk_prompt_logprobs",
-        "record_stability_info",  # the route's business (`stability`)
-        "prompt_logprobs_last_n",
-    }
-    for key in req:
-        if key not in known and key not in _SAMPLE_ROUTING and key not in _SAMPLE_OFF:
-            raise TinkerInputError(key, "is not a SampleRequest field")
-    for key, off in _SAMPLE_OFF.items():
-        if req.get(key) not in (off, None, False):
-            raise TinkerInputError(key, "is not supported by this worker")
-    tokens = token_ids(req.get("prompt"), "prompt", vocab_size)
-    num_samples = integer(req.get("num_samples", 1), "num_samples")
-    with as_tinker():
-        check_num_samples(num_samples)
-    topk = integer(_given(req, "topk_prompt_logprobs", 0), "topk_prompt_logprobs")
-    with as_tinker():
-        check_topk(topk)
-    prompt_logprobs = flag(_given(req, "prompt_logprobs", False), "prompt_logprobs")
-    body: dict[str, Any] = {
-        "model_inputs": [{"chunks": [{"encoded_text": {"tokens": tokens}}]}],
-        "num_samples": num_samples,
-        "sampling_params": _sampling_params(req.get("sampling_params")),
-        "prompt_logprobs": prompt_logprobs,
-        "topk_prompt_logprobs": topk,
-    }
-    if req.get("prompt_logprobs_last_n") is not None:
-        last_n = integer(req["prompt_logprobs_last_n"], SAMPLE_EXTRA)
-        with as_tinker():
-            check_last_n(last_n, [len(tokens)], prompt_logprobs, SAMPLE_EXTRA)
-        body[SAMPLE_EXTRA] = last_n
-    return body
-
-
-def _given(req: Mapping[str, Any], key: str, default: Any) -> Any:
-    """`req[key]`, or `default` where it is absent or null."""
-    value = req.get(key)
-    return default if value is None else value
-
-
-def _sampling_params(raw: Any) -> dict[str, Any]:
-    where = "sampling_params"
-    if not isinstance(raw, Mapping):
-        raise TinkerInputError(where, "must be an object")
-    for key in raw:
-        if key not in (*_SAMPLING_KEYS, "stop"):
-            raise TinkerInputError(f"{where}.{key}", "is not a SamplingParams field")
-    out: dict[str, Any] = {}
-    for key in ("max_tokens", "seed", "top_k"):
-        if raw.get(key) is not None:
-            out[key] = integer(raw[key], f"{where}.{key}")
-    for key in ("temperature", "top_p"):
-        if raw.get(key) is not None:
-            out[key] = number(raw[key], f"{where}.{key}")
-    if out.get("top_k") == 0:  # Tinker's no-limit is -1; 0 is no value of its top_k
-        raise TinkerInputError(f"{where}.top_k", "must be -1 (no limit) or at least 1")
-    out.update(_stop(raw.get("stop"), where))
-    validated(SamplingParams, out, where, names={"stop_token_ids": "stop"})
-    return out
-
-
-def _stop(stop: Any, where: str) -> dict[str, Any]:
-    """Tinker's `stop`: strings stop on text (`stop`), token ids on tokens (`stop_token_ids`)."""
-    if stop is None:
-        return {}
-    if isinstance(stop, str):
-        return {"stop": [stop]}
-    if not isinstance(stop, list):
-        raise TinkerInputError(f"{where}.stop", "must be a string, strings or token ids")
-    if not stop:
-        raise TinkerInputError(
-            f"{where}.stop",
-            "[] (no stop at all, not even EOS) is not supported; omit stop to stop at EOS",
-        )
-    if all(isinstance(s, str) for s in stop):
-        return {"stop": list(stop)}
-    return {"stop_token_ids": [integer(s, f"{where}.stop[{i}]") for i, s in enumerate(stop)]}
-
-
-_STOP_REASONS = {"STOP_REASON_STOP": "stop", "STOP_REASON_LENGTH": "length"}
-
-
-def sample_output(result: dict[str, Any]) -> dict[str, Any]:
-    """Our sample result (one prompt) -> the shape `proto.encode_sample_response` takes.
-
-    Prompt logprobs align as Tinker's: entry 0 (the first prompt token has no context) is None,
-    entry i the logprob of prompt token i; top-k rows likewise, as (token id, logprob) pairs."""
-    (group,) = result["results"]
-    sequences = [
-        {
-            "tokens": [int(t) for t in seq["tokens"]],
-            "logprobs": seq.get("logprobs"),
-            "stop_reason": _STOP_REASONS[seq["stop_reason"]],
-        }
-        for seq in group["sequences"]
-    ]
-    prompt_logprobs = group.get("prompt_logprobs")
-    topk = group.get("topk_prompt_logprobs")
-    return {
-        "sequences": sequences,
-        "prompt_logprobs": None
-        if prompt_logprobs is None
-        else [None, *(None if v is None else float(v) for v in prompt_logprobs[1:])],
-        "topk_prompt_logprobs": None if topk is None else [None, *map(_topk_row, topk[1:])],
-        "prompt_cache_hit_tokens": 0,
-    }
-
-
-def _topk_row(row: dict[str, Any]) -> list[tuple[int, float]] | None:
-    """One position's top-k as (token id, logprob) pairs; None where it was not scored
-    (`prompt_logprobs_last_n`), which the engine answers with an empty row."""
-    if not row["token_ids"]:
-        return None
-    return [(int(t), float(v)) for t, v in zip(row["token_ids"], row["logprobs"], strict=True)]

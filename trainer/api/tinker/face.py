@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, FastAPI, Request
 
 from trainer.api.keys import LOCAL, KeyRing
-from trainer.api.tinker import routes, routes_runs, routes_train, sampling
+from trainer.api.tinker import routes, routes_firetitan, routes_runs, routes_train, sampling
 from trainer.api.tinker.bridge import TinkerBridge
 from trainer.api.tinker.paths import TINKER_ID
 from trainer.serving.errors import ApiError, bad_request
@@ -138,7 +138,7 @@ def install(app: FastAPI, worker: Worker, keys: KeyRing) -> TinkerBridge:
     app.state.tinker = bridge
     app.state.tinker_samplers = sampling.SamplerSessions(bridge)
     auth = [Depends(TinkerAuth(keys)), Depends(check_tinker_ids)]
-    for module in (routes, routes_train, sampling, routes_runs):
+    for module in (routes, routes_train, routes_firetitan, sampling, routes_runs):
         app.include_router(module.router, prefix=PREFIX, dependencies=auth)
     app.include_router(fallback, prefix=PREFIX, dependencies=auth)
     return bridge

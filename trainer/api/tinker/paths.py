@@ -88,7 +88,7 @@ def loadable(bridge: TinkerBridge, path: str, field: str, who: Principal) -> Che
 
 def path_of(bridge: TinkerBridge, record: CheckpointRecord) -> str:
     """The tinker path of an engine checkpoint (its Tinker name when saved through Tinker)."""
-    rows = bridge.db.select(TinkerCheckpoint, "checkpoint_id = ?", (record.id,))
+    rows = bridge.db.select(TinkerCheckpoint, "checkpoint_id = ? AND scope IS NULL", (record.id,))
     if rows:
         return rows[0].path
     kind = "training" if record.type == TRAINING else "sampler"

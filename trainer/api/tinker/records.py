@@ -50,6 +50,11 @@ class TinkerModel:
     last_request_at: float
     lora_config: dict[str, Any] = field(default_factory=dict)
     user_metadata: dict[str, Any] = field(default_factory=dict)
+    # a frozen reference (`base_only`, or a model of a forward-only job): forward only
+    frozen: bool = False
+    # the name space of its logical checkpoint names (`names.scope_of`): a gateway's job
+    # (`Binding.scope`); None: the model's own
+    scope: str | None = None
 
 
 @dataclass
@@ -78,6 +83,9 @@ class TinkerCheckpoint:
     created_at: float
     expires_at: float | None = None
     user_metadata: dict[str, Any] | None = None
+    # a logical name's row (`names`: path `<account>/run-<32 hex>/<name>`): its name space;
+    # None: a `tinker://` path
+    scope: str | None = None
 
 
 @dataclass
@@ -128,15 +136,19 @@ class TinkerRecords:
     def __init__(self, path: Path) -> None:
         self._lock = threading.Lock()
         self._db = open_db(path, _SCHEMA)
-        for table, column in (
-            ("futures", "body_hash"),
-            ("futures", "owner"),
-            ("sessions", "owner"),
-            ("samplers", "owner"),
+        for table, column, kind in (
+            ("futures", "body_hash", "TEXT"),
+            ("futures", "owner", "TEXT"),
+            ("sessions", "owner", "TEXT"),
+            ("samplers", "owner", "TEXT"),
+            ("models", "frozen", "INTEGER NOT NULL DEFAULT 0"),
+            ("models", "scope", "TEXT"),
+            ("checkpoints", "scope", "TEXT"),
         ):
             columns = {row["name"] for row in self._db.execute(f"PRAGMA table_info({table})")}
             if column not in columns:  # a store from before the column existed gets it
-                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} TEXT")
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+        self._db.execute("CREATE INDEX IF NOT EXISTS checkpoints_scope ON checkpoints (scope)")
 
     def close(self) -> None:
         with self._lock:
@@ -243,4 +255,7 @@ def _decode(cls: type[Record], record: sqlite3.Row) -> Record:
         else record[f.name]
         for f in fields(cls)
     }
+    for f in fields(cls):
+        if f.type == "bool":  # SQLite stores booleans as 0 / 1
+            values[f.name] = bool(values[f.name])
     return cls(**values)

@@ -1,4 +1,5 @@
-"""The Tinker SDK's JSON request bodies (tinker 0.38 `types/`), validated once at the edge.
+"""The Tinker SDK's JSON request bodies (tinker 0.38 `types/`, and the Fireworks SDK's 0.23 with its
+extras), validated once at the edge.
 
 Unknown fields are ignored, as newer SDKs may send more. Each model keeps the SDK's field
 names, so a 400 names the field the SDK user set. Tensor-heavy bodies (forward-backward,
@@ -8,7 +9,7 @@ engine's own bodies.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
@@ -31,7 +32,9 @@ class SessionRef(Spec):
 
 
 class TinkerLoraConfig(Spec):
-    rank: int = Field(ge=1)
+    rank: int = Field(ge=0)  # 0: full weights (the Fireworks SDK's `lora_rank=0`)
+    alpha: int | None = Field(default=None, ge=1)  # None: Tinker's 32 (`routes.LORA_ALPHA`)
+    init_method: Literal["kaiming"] | None = None  # PEFT's: Kaiming-uniform A, zero B
     seed: int | None = None
     train_unembed: bool = True
     train_mlp: bool = True
@@ -68,6 +71,17 @@ class CreateModel(Spec):
     user_metadata: dict[str, Any] | None = None
     lora_config: TinkerLoraConfig | None = None
     optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    # the Fireworks SDK's frozen reference on the same trainer: the base model, forward only
+    base_only: bool = False
+    projection_head_dim: None = Field(
+        default=None, description="a train-only projection head: not served (omit it)"
+    )
+
+    @model_validator(mode="after")
+    def _base_only(self) -> CreateModel:
+        if self.base_only and self.lora_config is not None:
+            raise ValueError("lora_config: a base_only model has none (it is the base model)")
+        return self
 
 
 class ModelRef(Spec):
@@ -91,6 +105,12 @@ class SaveWeightsForSampler(Spec):
     seq_id: int | None = None
     ttl_seconds: int | None = Field(default=None, ge=1)
     user_metadata: dict[str, str] | None = None
+    # the Fireworks SDK's extras (docs/semantics.md §23): every type is written whole, as
+    # the worker's inference checkpoint (the PEFT adapter of a LoRA model, and the merged
+    # model: `merged_base`'s export); `delta` is stored whole too
+    checkpoint_type: Literal["base", "delta", "merged_base"] | None = None
+    export_precision: Literal["source"] | None = None  # merged at the trainer's precision
+    metadata: dict[str, Any] | None = None
 
 
 class LoadWeights(Spec):

@@ -21,7 +21,8 @@ from pydantic import BaseModel, ValidationError
 
 from trainer.api.auth import principal_of
 from trainer.api.http import json_object
-from trainer.api.tinker import convert, paths, proto
+from trainer.api.tinker import convert, models, paths, proto
+from trainer.api.tinker.binding import binding_of
 from trainer.api.tinker.bridge import TinkerBridge
 from trainer.api.tinker.identity import RequestKey, body_digest
 from trainer.api.tinker.records import DONE, FAILED, TinkerModel, TinkerSession
@@ -41,7 +42,6 @@ from trainer.serving.tenants import Principal
 router = APIRouter()
 CONTROL_BODY_MAX = 1 << 20  # the JSON bodies of this face carry a few fields
 LONG_POLL_S = 10.0
-LORA_ALPHA = 32  # Tinker's LoRA scale convention (alpha 32 whatever the rank); docs/decisions.md
 PROTO_RESULTS = ("ForwardBackward", "Forward", "Sample")
 
 
@@ -170,36 +170,21 @@ async def finish_session(request: Request, session_id: str) -> dict[str, Any]:
 
 @router.post("/create_model")
 async def create_model(request: Request) -> dict[str, Any]:
+    """A LoRA, full-weight (`lora_config.rank` 0) or frozen base (`base_only`) model
+    (`trainer.api.tinker.models`), on the job's resource when a gateway bound the request."""
     body: CreateModel = await parse(request, CreateModel)
     bridge = bridge_of(request)
     who = principal_of(request)
+    binding = binding_of(request)
     get_session(bridge, body.session_id, who)
     entry = bridge.entry(body.base_model)
-    lora = body.lora_config
-    rank = lora.rank if lora is not None else min(32, entry.max_lora_rank)
-    if rank > entry.max_lora_rank:
-        raise ApiError(
-            400,
-            f"lora_config.rank: {rank} exceeds max_lora_rank {entry.max_lora_rank} of {entry.name}",
-            param="lora_config.rank",
-            code="invalid_input",
-        )
+    plan = models.plan(body, entry, binding)
     model_id = f"{body.session_id}:train:{body.model_seq_id}"
-    lora_config = {
-        "rank": rank,
-        "alpha": LORA_ALPHA,
-        "seed": lora.seed if lora is not None else None,
-        "train_unembed": lora.train_unembed if lora is not None else True,
-    }
 
     def work(_: str) -> dict[str, Any]:
-        resource_id = bridge.resource_for(entry.name)
-        session_id = bridge.open_session(
-            resource_id,
-            {"lora_config": lora_config, "display_name": f"tinker {model_id}"[:128]},
-            "create_model",
-            who,
-        )
+        resource_id = models.resource_of(bridge, plan, who)
+        spec = models.session_spec(plan, f"tinker {model_id}")
+        session_id = bridge.open_session(resource_id, spec, "create_model", who)
         now = time.time()
         bridge.db.insert(
             TinkerModel(
@@ -208,11 +193,13 @@ async def create_model(request: Request) -> dict[str, Any]:
                 base_model=entry.name,
                 session_id=session_id,
                 resource_id=resource_id,
-                lora_rank=rank,
+                lora_rank=plan.rank,
                 created_at=now,
                 last_request_at=now,
-                lora_config=lora_config,
+                lora_config=plan.lora_config or {"rank": 0},
                 user_metadata=dict(body.user_metadata or {}),
+                frozen=plan.frozen,
+                scope=binding.scope if binding is not None else None,
             ),
             replace=True,
         )
@@ -234,8 +221,9 @@ def model_info(bridge: TinkerBridge, model: TinkerModel) -> dict[str, Any]:
         "type": "get_info",
         "model_id": model.id,
         "model_name": model.base_model,
-        "is_lora": True,
+        "is_lora": model.lora_rank > 0,
         "lora_rank": model.lora_rank,
+        "frozen": model.frozen,
         "optimizer_config": {"type": "adamw"},
         "model_data": {"arch": arch, "model_name": model.base_model, "tokenizer_id": tokenizer},
     }

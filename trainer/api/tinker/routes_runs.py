@@ -60,7 +60,8 @@ def checkpoint_json(bridge: TinkerBridge, record: CheckpointRecord) -> dict[str,
 def run_checkpoints(bridge: TinkerBridge, run_id: str) -> list[CheckpointRecord]:
     """A run's checkpoints, newest first: those saved through Tinker under the run, or the
     RL session API's of the training session `run_id`."""
-    saved = bridge.db.select(TinkerCheckpoint, "run_id = ?", (run_id,))
+    # its tinker paths (a logical name, `names`, is another row of the same checkpoint)
+    saved = bridge.db.select(TinkerCheckpoint, "run_id = ? AND scope IS NULL", (run_id,))
     records = [bridge.worker.checkpoints.get(c.checkpoint_id) for c in saved]
     if not saved:
         records = list(bridge.worker.checkpoints.list(session_id=run_id, limit=10_000))
@@ -282,6 +283,14 @@ async def delete_checkpoint(request: Request, run_id: str, checkpoint_id: str) -
     def forget() -> None:
         encrypted = stored_encrypted(store, record.id)
         bridge.db.delete(TinkerCheckpoint, path)
+        saved_as = (run_id, *checkpoint_id.split("/", 1))  # its logical name goes too
+        kind = paths.KINDS.get(saved_as[1], "")
+        for named in bridge.db.select(
+            TinkerCheckpoint,
+            "scope IS NOT NULL AND run_id = ? AND kind = ? AND name = ? AND checkpoint_id = ?",
+            (run_id, kind, saved_as[-1], record.id),
+        ):
+            bridge.db.delete(TinkerCheckpoint, named.path)
         if encrypted and not bridge.db.select(TinkerCheckpoint, "checkpoint_id = ?", (record.id,)):
             store.delete(record.id)
 

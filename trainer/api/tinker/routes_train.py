@@ -18,23 +18,23 @@ from fastapi.concurrency import run_in_threadpool
 
 from trainer.api.auth import principal_of
 from trainer.api.http import json_object
-from trainer.api.tinker import convert, paths, proto, stability
+from trainer.api.tinker import convert, names, paths, proto, stability
+from trainer.api.tinker.binding import binding_of
 from trainer.api.tinker.bridge import RequestFailed, TinkerBridge
+from trainer.api.tinker.convert import FBI
 from trainer.api.tinker.identity import RequestKey, request_key
+from trainer.api.tinker.models import check_trainable
 from trainer.api.tinker.records import TinkerCheckpoint, TinkerModel
 from trainer.api.tinker.requests import (
-    LoadWeights,
     ModelRef,
     SaveWeights,
     SaveWeightsExternal,
     SaveWeightsForSampler,
 )
 from trainer.api.tinker.routes import (
-    LORA_ALPHA,
     bridge_of,
     future_json,
     get_model,
-    get_session,
     input_error,
     live_model,
     parse,
@@ -70,11 +70,10 @@ def storable_fb(out: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-@router.post("/forward_backward")
-async def forward_backward(request: Request) -> dict[str, Any]:
-    bridge = bridge_of(request)
-    who = principal_of(request)
-    limit = bridge.worker.config.max_body_bytes
+async def operation_body(request: Request) -> tuple[dict[str, Any], bool]:
+    """A forward(-backward) body, JSON or protobuf (within the models' bounds, off the event
+    loop), and whether it came as protobuf."""
+    limit = bridge_of(request).worker.config.max_body_bytes
     as_proto = proto.PROTOBUF in request.headers.get("content-type", "")
     if as_proto:
         if request.headers.get("content-encoding", "identity") not in ("identity", ""):
@@ -84,17 +83,41 @@ async def forward_backward(request: Request) -> dict[str, Any]:
                 "Content-Encoding",
             )
         # decoded within the models' bounds, off the event loop (large: in the body parser)
-        req = await json_object(request, limit, arrays=True, decoder=proto.DECODER)
-    else:
-        req = await json_object(request, limit, arrays=True)
+        return await json_object(request, limit, arrays=True, decoder=proto.DECODER), True
+    return await json_object(request, limit, arrays=True), False
+
+
+def _renamed(exc: ApiError, field: str) -> ApiError:
+    """`exc` naming `field` (the SDK's `forward_input`) for `forward_backward_input`."""
+    if field == FBI:
+        return exc
+    param = None if exc.param is None else exc.param.replace(FBI, field)
+    return ApiError(exc.status, exc.message.replace(FBI, field), param=param, code=exc.code)
+
+
+@router.post("/forward_backward")
+async def forward_backward(request: Request) -> dict[str, Any]:
+    req, as_proto = await operation_body(request)
+    return await submit_forward_backward(
+        request, req, FBI, req.get("forward_only", False), as_proto
+    )
+
+
+async def submit_forward_backward(
+    request: Request, req: dict[str, Any], field: str, forward_only: Any, as_proto: bool = False
+) -> dict[str, Any]:
+    """The one path of `forward_backward` and the Fireworks SDK's `forward` (its input under
+    `field`, `forward_only` true): translated, validated and queued on the model's
+    dispatcher; a 400 names the request's own fields."""
+    bridge = bridge_of(request)
+    who = principal_of(request)
     model_id = req.get("model_id")
     if not isinstance(model_id, str) or not model_id:
         raise bad_request("model_id: required", "model_id")
     model = live_model(bridge, model_id, who)
-    fbi = req.get("forward_backward_input")
+    fbi = req.get(field)
     if not isinstance(fbi, dict):
-        raise bad_request("forward_backward_input: required (an object)", "forward_backward_input")
-    forward_only = req.get("forward_only", False)
+        raise bad_request(f"{field}: required (an object)", field)
     vocab = vocab_size_of(bridge.worker, model.base_model)
     try:
         body, provenance = await run_in_threadpool(
@@ -107,12 +130,17 @@ async def forward_backward(request: Request) -> dict[str, Any]:
                 model.tinker_session,
                 body,
                 provenance,
-                "forward_backward_input.data",
+                f"{FBI}.data",
             )
     except convert.TinkerInputError as exc:
-        raise input_error(exc) from None
+        raise _renamed(input_error(exc), field) from None
     forward_only = body["forward_only"]
-    call = await run_in_threadpool(bridge.prepare, model.session_id, "forward-backward", body)
+    if not forward_only:
+        check_trainable(model, "forward_backward")
+    try:
+        call = await run_in_threadpool(bridge.prepare, model.session_id, "forward-backward", body)
+    except ApiError as exc:
+        raise _renamed(exc, field) from None
     kind = "Forward" if forward_only else "ForwardBackward"
     loss_fn = str(fbi.get("loss_fn", ""))
     seq_id = seq_id_of(req)
@@ -134,12 +162,16 @@ async def optim_step(request: Request) -> dict[str, Any]:
     who = principal_of(request)
     req = await json_object(request, 1 << 20)
     model = live_model(bridge, str(req.get("model_id") or ""), who)
+    check_trainable(model, "optim_step")
     try:
         body = convert.optim_step_body(req)
+        normalization = convert.grad_normalization(req)
     except convert.TinkerInputError as exc:
         raise input_error(exc) from None
-    call = await run_in_threadpool(bridge.prepare, model.session_id, "optim-step", body)
-    key = request_key(request, model.id, "OptimStep", seq_id_of(req), body)
+    extra = {"grad_accumulation_normalization": normalization}
+    call = await run_in_threadpool(bridge.prepare, model.session_id, "optim-step", body, extra)
+    asked = {**body, "grad_accumulation_normalization": normalization} if normalization else body
+    key = request_key(request, model.id, "OptimStep", seq_id_of(req), asked)
 
     def work(request_id: str) -> dict[str, Any]:
         return convert.optim_step_output(bridge.run(model, "optim-step", call, request_id))
@@ -149,7 +181,9 @@ async def optim_step(request: Request) -> dict[str, Any]:
 
 def _checkpoint_name(bridge: TinkerBridge, model: TinkerModel, kind: str, name: str | None) -> str:
     if name is None:
-        count = bridge.db.count(TinkerCheckpoint, "run_id = ? AND kind = ?", (model.id, kind))
+        count = bridge.db.count(
+            TinkerCheckpoint, "run_id = ? AND kind = ? AND scope IS NULL", (model.id, kind)
+        )
         return f"{count:06d}"
     return paths.check_name(name, "path")
 
@@ -200,12 +234,34 @@ def _save(
 def _save_request(
     request: Request, body: SaveWeights | SaveWeightsForSampler, kind: str, op: str
 ) -> tuple[TinkerBridge, TinkerModel, str, RequestKey]:
-    """What a save route needs first: its model, the checkpoint's name, the request's key."""
+    """What a save route needs first: its model (not frozen), the checkpoint's name (a DNS
+    label for the Fireworks SDK, `names`), the request's key."""
     bridge = bridge_of(request)
     who = principal_of(request)
     model = live_model(bridge, body.model_id, who)
+    check_trainable(model, op.lower())
     name = _checkpoint_name(bridge, model, kind, body.path)
+    if firetitan(request):
+        names.check_label(name, "path")
     return bridge, model, name, request_key(request, model.id, op, body.seq_id, body)
+
+
+def firetitan(request: Request) -> bool:
+    """The Fireworks SDK's data plane (bound by a gateway, or its vendored Tinker 0.23
+    client): checkpoints answer with their logical names (`names`)."""
+    agent = request.headers.get("user-agent", "")
+    return binding_of(request) is not None or agent.startswith(names.FIRETITAN_AGENT)
+
+
+def _named(
+    bridge: TinkerBridge, account: str, model: TinkerModel, kind: str, name: str, path: str
+) -> str:
+    """Record a saved checkpoint's logical name when it is one; the logical path."""
+    if not names.DNS_LABEL.fullmatch(name):
+        return path
+    saved = bridge.db.get(TinkerCheckpoint, path)
+    assert saved is not None
+    return names.record(bridge, account, model, kind, name, saved.checkpoint_id)
 
 
 @router.post("/save_weights")
@@ -213,6 +269,7 @@ async def save_weights(request: Request) -> dict[str, Any]:
     body: SaveWeights = await parse(request, SaveWeights)
     bridge, model, name, key = _save_request(request, body, "training", "SaveWeights")
     who = principal_of(request)
+    account, logical = names.account_of(who, binding_of(request)), firetitan(request)
 
     def work(request_id: str) -> dict[str, Any]:
         path = _save(
@@ -225,7 +282,8 @@ async def save_weights(request: Request) -> dict[str, Any]:
             body.user_metadata,
             body.overwrite,
         )
-        return {"path": path, "type": "save_weights"}
+        named = _named(bridge, account, model, "training", name, path)
+        return {"path": named if logical else path, "type": "save_weights"}
 
     return future_json(bridge.start(model.id, "SaveWeights", key, work, who), model.id)
 
@@ -236,13 +294,21 @@ async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
     bridge, model, name, key = _save_request(request, body, "sampler", "SaveWeightsForSampler")
     who = principal_of(request)
     samplers = samplers_of(request)
+    account, logical = names.account_of(who, binding_of(request)), firetitan(request)
 
     def work(request_id: str) -> dict[str, Any]:
         path = _save(
             bridge, model, "sampler", name, request_id, body.ttl_seconds, body.user_metadata, True
         )
         _publish_for_samplers(samplers, bridge, model, path, request_id)
-        out: dict[str, Any] = {"path": path, "type": "save_weights_for_sampler"}
+        named = _named(bridge, account, model, "sampler", name, path)
+        out: dict[str, Any] = {
+            "path": named if logical else path,
+            "type": "save_weights_for_sampler",
+        }
+        if body.checkpoint_type is not None:  # docs/semantics.md §23: every type is whole
+            out["checkpoint_type"] = body.checkpoint_type
+            out["stored_as"] = "whole"
         if body.sampling_session_seq_id is not None:
             sampler_id = f"{model.tinker_session}:sample:{body.sampling_session_seq_id}"
             new_sampler(bridge, sampler_id, model.tinker_session, model.base_model, path, who)
@@ -295,65 +361,6 @@ async def save_weights_external(request: Request) -> dict[str, Any]:
     return future_json(bridge.start(model.id, "SaveWeightsExternal", key, work, who), model.id)
 
 
-@router.post("/load_weights")
-async def load_weights(request: Request) -> dict[str, Any]:
-    body: LoadWeights = await parse(request, LoadWeights)
-    bridge = bridge_of(request)
-    who = principal_of(request)
-    record = await run_in_threadpool(paths.loadable, bridge, body.path, "path", who)
-    if record.lora_rank is None:
-        raise bad_request(
-            f"path: {body.path} is a full-weight checkpoint; Tinker models are LoRA", "path"
-        )
-    if body.optimizer and record.type != paths.ENGINE_TYPES["training"]:
-        raise bad_request("optimizer: a sampler checkpoint has no optimizer state", "optimizer")
-    if body.model_id is not None:
-        model = get_model(bridge, body.model_id, who)
-        if record.base_model != model.base_model:
-            raise bad_request(
-                f"path: {body.path} was trained on {record.base_model!r}, model {model.id} on "
-                f"{model.base_model!r}",
-                "path",
-            )
-        target, tinker_session, base_model = model.id, model.tinker_session, model.base_model
-    else:
-        tinker_session = body.session_id or ""
-        get_session(bridge, tinker_session, who)
-        base_model = bridge.entry(record.base_model, "path").name
-        target = f"{tinker_session}:train:{body.model_seq_id}"
-    spec = {
-        "resume_from_checkpoint_id": record.id,
-        "load_optimizer": body.optimizer,
-        "display_name": f"tinker {target}"[:128],
-    }
-
-    def work(_: str) -> dict[str, Any]:
-        old = bridge.db.get(TinkerModel, target)
-        # the face's live resource (made again if the model's own was stopped or restarted)
-        resource_id = bridge.resource_for(base_model)
-        session_id = bridge.open_session(resource_id, spec, "path", who)
-        now = time.time()
-        model = TinkerModel(
-            id=target,
-            tinker_session=tinker_session,
-            base_model=base_model,
-            session_id=session_id,
-            resource_id=resource_id,
-            lora_rank=int(record.lora_rank or 0),
-            created_at=old.created_at if old is not None else now,
-            last_request_at=now,
-            lora_config={"rank": record.lora_rank, "alpha": LORA_ALPHA},
-            user_metadata=old.user_metadata if old is not None else dict(body.user_metadata or {}),
-        )
-        bridge.db.insert(model, replace=True)
-        if old is not None:
-            bridge.stop_session(old.session_id)
-        return {"path": body.path, "model_id": target, "type": "load_weights"}
-
-    key = request_key(request, target, "LoadWeights", body.seq_id, body)
-    return future_json(bridge.start(target, "LoadWeights", key, work, who), target)
-
-
 @router.post("/unload_model")
 async def unload_model(request: Request) -> dict[str, Any]:
     body: ModelRef = await parse(request, ModelRef)
@@ -364,7 +371,8 @@ async def unload_model(request: Request) -> dict[str, Any]:
     key = request_key(request, model.id, "UnloadModel", model.session_id, body)
 
     def work(_: str) -> dict[str, Any]:
-        bridge.stop_session(bridge.current_session(model.id))
+        current = bridge.db.get(TinkerModel, model.id)
+        bridge.release(current or model)
         return {"model_id": model.id, "type": "unload_model"}
 
     return future_json(bridge.start(model.id, "UnloadModel", key, work, who), model.id)

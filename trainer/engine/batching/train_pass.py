@@ -155,7 +155,7 @@ def _settle(live: list[WorkItem], comm: Communicator, forward_only: bool) -> Non
         if item.failure is not None:
             item.session.restore_grads(item.stash)
         else:
-            item.session.keep_grads(item.stash)
+            item.session.keep_grads(item.stash, item.prepared)
         item.stash = None
 
 

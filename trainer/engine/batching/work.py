@@ -7,7 +7,7 @@ the handles can all name these types without importing each other.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -98,7 +98,7 @@ class PassSession(SharingSession, Protocol):
 
     def check_new_grads(self) -> None: ...
 
-    def keep_grads(self, stash: GradStash) -> None: ...
+    def keep_grads(self, stash: GradStash, prepared: Sequence[PreparedSample]) -> None: ...
 
     def restore_grads(self, stash: GradStash) -> None: ...
 
