@@ -21,8 +21,18 @@ ALLOWED: dict[str, set[str]] = {
     "api": {"contract", "checkpoint", "serving"},
     "api.rl": {"contract", "checkpoint", "serving", "api"},
     "api.tinker": {"contract", "checkpoint", "serving", "api"},
-    # the app mounts both faces; `server` is the process around it
-    "api.app": {"contract", "checkpoint", "serving", "api", "api.rl", "api.tinker"},
+    # the Fireworks control plane binds the Tinker face to its jobs (never the reverse)
+    "api.fireworks": {"contract", "checkpoint", "serving", "api", "api.tinker"},
+    # the app mounts the faces; `server` is the process around it
+    "api.app": {
+        "contract",
+        "checkpoint",
+        "serving",
+        "api",
+        "api.rl",
+        "api.tinker",
+        "api.fireworks",
+    },
     "top:tiny": set(),
     "top:tiny_families": set(),
     "top:spawn": set(),
@@ -38,7 +48,7 @@ def layer(module: str) -> str:
         return f"top:{parts[1]}"
     if parts[1] == "api" and (len(parts) == 2 or parts[2] in ("app", "server")):
         return "api.app"
-    if parts[1] == "api" and parts[2] in ("rl", "tinker"):
+    if parts[1] == "api" and parts[2] in ("rl", "tinker", "fireworks"):
         return f"api.{parts[2]}"
     return parts[1]
 

@@ -57,12 +57,14 @@ AUDITED = {
             "create_session",
             "sessions/{session_id}/finish",
             "create_model",
+            "forward",
             "forward_backward",
             "optim_step",
             "save_weights",
             "save_weights_for_sampler",
             "save_weights_external",
             "load_weights",
+            "load_adapter",
             "unload_model",
             "create_sampling_session",
             "asample",
@@ -74,6 +76,11 @@ AUDITED = {
     ),
     ("PUT", "/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl"),
     ("DELETE", "/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id:path}"),
+    # the Fireworks control plane (a job's own Tinker routes are audited as /api/v1/...)
+    ("POST", "/v1/accounts/{account}/rlorTrainerJobs"),
+    ("DELETE", "/v1/accounts/{account}/rlorTrainerJobs/{job_id}"),
+    ("POST", "/v1/accounts/{account}/rlorTrainerJobs/{job_id}:resume"),
+    ("POST", "/v1/accounts/{account}/checkpoints/{checkpoint}:promote"),
 }
 
 

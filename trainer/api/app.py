@@ -1,9 +1,12 @@
 """The FastAPI application: routers under `/v1`, auth, error bodies, lifespan.
 
-`/v1/rl/...` routes need the bearer token; the signed file/payload routes carry their own
-credential in the query string; `/healthz` is open for liveness probes. `/v1/rl/audit` and
-`/metrics` answer admin keys only (`trainer.api.audit`, `trainer.api.metrics`); every mutating
-call is a line of the audit trail (`AuditMiddleware`).
+Three faces: the RL session API (`/v1/rl`), the Tinker API (`/api/v1`) and the Fireworks
+control plane (`/v1/accounts/...`, with each trainer job's Tinker routes under
+`/training/v1/rlorTrainerJobs/{account}/{job}/api/v1`). `/v1/rl/...` routes need the bearer
+token; the signed file/payload routes carry their own credential in the query string;
+`/healthz` is open for liveness probes. `/v1/rl/audit` and `/metrics` answer admin keys only
+(`trainer.api.audit`, `trainer.api.metrics`); every mutating call is a line of the audit trail
+(`AuditMiddleware`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from trainer.api import audit
 from trainer.api import metrics as metrics_routes
 from trainer.api.audit import AuditMiddleware
 from trainer.api.auth import BearerAuth
+from trainer.api.fireworks.face import install as install_fireworks
+from trainer.api.fireworks.gateway import JobGateway
 from trainer.api.keys import KeyRing
 from trainer.api.metrics import Metrics
 from trainer.api.rl import routes_metrics, routes_ops, routes_resources, routes_sessions
@@ -58,7 +63,12 @@ class DoubleVersionPrefix:
 
 CONTROL_BODY_MAX = 1 << 20
 # Tinker POSTs that carry data, streamed under `max_body_bytes` by their routes
-STREAMED_POSTS = ("/api/v1/forward_backward", "/api/v1/asample", "/api/v1/optim_step")
+STREAMED_POSTS = (
+    "/api/v1/forward",
+    "/api/v1/forward_backward",
+    "/api/v1/asample",
+    "/api/v1/optim_step",
+)
 
 
 class ControlBodyLimit:
@@ -163,6 +173,7 @@ def create_app(worker: Worker, token: str | None, keys: KeyRing | None = None) -
         finally:
             sweeper.cancel()
             await run_in_threadpool(_drain, worker, tinker)
+            fireworks.close()
             metrics.close()
 
     # No open /openapi.json or /docs: the schema is served at /v1/openapi.json behind the token.
@@ -181,6 +192,7 @@ def create_app(worker: Worker, token: str | None, keys: KeyRing | None = None) -
     app.state.audit = AuditLog(config.storage, config.audit_max_bytes, config.audit_keep)
     app.add_middleware(AuditMiddleware, log=app.state.audit, fastapi_app=app)  # innermost
     app.add_middleware(ControlBodyLimit)
+    app.add_middleware(JobGateway, fastapi_app=app)  # a job's Tinker routes: /api/v1 bound
     app.add_middleware(DoubleVersionPrefix)
     app.state.keys = ring
     worker.principals = ring.principal  # the quotas of each operation's owner
@@ -192,6 +204,7 @@ def create_app(worker: Worker, token: str | None, keys: KeyRing | None = None) -
     app.include_router(routes_sessions.files_router, dependencies=files)
 
     tinker = install_tinker(app, worker, ring)
+    fireworks = install_fireworks(app, worker, ring, tinker)  # /v1/accounts/...
     app.include_router(audit.router)  # admin keys only: both answer 404 to anyone else
     app.include_router(metrics_routes.router)
 

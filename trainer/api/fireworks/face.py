@@ -1,0 +1,24 @@
+"""Mount the Fireworks control plane (`/v1/accounts/...`) on the worker's app, beside the RL
+face (`/v1/rl`) and the Tinker face (`/api/v1`), and its per-job gateway
+(`/training/v1/rlorTrainerJobs/...`, `gateway.JobGateway`, added by `create_app`)."""
+
+from __future__ import annotations
+
+from fastapi import Depends, FastAPI
+
+from trainer.api.fireworks import routes_catalog, routes_jobs
+from trainer.api.fireworks.auth import FireworksAuth
+from trainer.api.fireworks.service import FireworksFace
+from trainer.api.keys import KeyRing
+from trainer.api.tinker.bridge import TinkerBridge
+from trainer.serving.worker import Worker
+
+
+def install(app: FastAPI, worker: Worker, keys: KeyRing, bridge: TinkerBridge) -> FireworksFace:
+    face = FireworksFace(worker, keys, bridge)
+    app.state.fireworks = face
+    bridge.model_resolvers.append(face.catalog.resolve)  # load_adapter(accounts/<a>/models/<m>)
+    auth = [Depends(FireworksAuth(keys))]
+    app.include_router(routes_jobs.router, dependencies=auth)
+    app.include_router(routes_catalog.router, dependencies=auth)
+    return face

@@ -1,0 +1,160 @@
+"""The Fireworks face's records, in `<storage>/fireworks.sqlite`: trainer jobs, the model
+resources each job has held, and the models promoted from their checkpoints.
+
+The engine's records (resources, sessions, checkpoints) stay in the worker's stores; these map
+Fireworks names onto them. A restart keeps every row: a job whose resource the restart unloaded
+reads as PAUSED (`trainer.api.fireworks.jobs`). Thread-safe: one connection, one lock, every
+write committed at once.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, TypeVar
+
+from trainer.serving.catalogue import open_db
+
+
+@dataclass
+class JobRecord:
+    account: str  # the user of the key that made it
+    id: str
+    base_model: str  # as the client named it (a catalogue name or a promoted model)
+    lora_rank: int
+    forward_only: bool
+    state: str  # the last state written; `jobs.JobService.view` derives the live one
+    created_at: float
+    updated_at: float
+    body: dict[str, Any] = field(default_factory=dict)  # what the create sent, echoed back
+    resource_id: str | None = None  # the resource it holds (or last held)
+    status: dict[str, Any] | None = None  # {code, message} of a failure or a pause
+    completed_at: float | None = None
+
+
+@dataclass
+class HeldResource:
+    account: str
+    job_id: str
+    resource_id: str
+    started_at: float
+
+
+@dataclass
+class PromotedModel:
+    account: str
+    id: str
+    checkpoint_id: str  # the engine's inference checkpoint it serves
+    checkpoint_name: str  # its name among the job's checkpoints
+    job_id: str
+    base_model: str  # the catalogue entry its weights are of
+    lora_rank: int  # 0: a merged full model; else a PEFT adapter of that rank
+    created_at: float
+    display_name: str | None = None
+
+
+Record = TypeVar("Record", JobRecord, HeldResource, PromotedModel)
+_TABLES: dict[type[Any], str] = {
+    JobRecord: "jobs",
+    HeldResource: "held",
+    PromotedModel: "models",
+}
+_JSON = {"body", "status"}
+_BOOL = {"forward_only"}
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    account TEXT NOT NULL, id TEXT NOT NULL, base_model TEXT, lora_rank INTEGER,
+    forward_only INTEGER, state TEXT, created_at REAL, updated_at REAL, body TEXT,
+    resource_id TEXT, status TEXT, completed_at REAL, PRIMARY KEY (account, id));
+CREATE TABLE IF NOT EXISTS held (
+    account TEXT NOT NULL, job_id TEXT NOT NULL, resource_id TEXT PRIMARY KEY,
+    started_at REAL);
+CREATE INDEX IF NOT EXISTS held_by_job ON held (account, job_id);
+CREATE TABLE IF NOT EXISTS models (
+    account TEXT NOT NULL, id TEXT NOT NULL, checkpoint_id TEXT, checkpoint_name TEXT,
+    job_id TEXT, base_model TEXT, lora_rank INTEGER, created_at REAL, display_name TEXT,
+    PRIMARY KEY (account, id));
+"""
+
+
+class FireworksRecords:
+    def __init__(self, path: Path) -> None:
+        self._lock = threading.Lock()
+        self._db = open_db(path, _SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def insert(self, record: Any) -> None:
+        """Insert a row; `sqlite3.IntegrityError` when its key exists."""
+        data = {k: _encode(k, v) for k, v in asdict(record).items()}
+        with self._lock:
+            self._db.execute(
+                f"INSERT INTO {_TABLES[type(record)]} ({', '.join(data)}) "
+                f"VALUES ({', '.join('?' for _ in data)})",
+                list(data.values()),
+            )
+
+    def update_job(self, account: str, job_id: str, **changes: Any) -> None:
+        values = [_encode(k, v) for k, v in changes.items()]
+        with self._lock:
+            self._db.execute(
+                f"UPDATE jobs SET {', '.join(f'{k} = ?' for k in changes)} "
+                "WHERE account = ? AND id = ?",
+                [*values, account, job_id],
+            )
+
+    def delete_job(self, account: str, job_id: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM jobs WHERE account = ? AND id = ?", (account, job_id))
+            self._db.execute("DELETE FROM held WHERE account = ? AND job_id = ?", (account, job_id))
+
+    def select(
+        self, cls: type[Record], where: str = "1", params: tuple[Any, ...] = (), tail: str = ""
+    ) -> list[Record]:
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT * FROM {_TABLES[cls]} WHERE {where} {tail}", params
+            ).fetchall()
+        return [_decode(cls, r) for r in rows]
+
+    def job(self, account: str, job_id: str) -> JobRecord | None:
+        found = self.select(JobRecord, "account = ? AND id = ?", (account, job_id))
+        return found[0] if found else None
+
+    def model(self, account: str, model_id: str) -> PromotedModel | None:
+        found = self.select(PromotedModel, "account = ? AND id = ?", (account, model_id))
+        return found[0] if found else None
+
+    def held(self, account: str, job_id: str) -> list[HeldResource]:
+        return self.select(
+            HeldResource, "account = ? AND job_id = ?", (account, job_id), "ORDER BY started_at"
+        )
+
+    def job_of_resource(self, resource_id: str) -> HeldResource | None:
+        found = self.select(HeldResource, "resource_id = ?", (resource_id,))
+        return found[0] if found else None
+
+
+def _encode(name: str, value: Any) -> Any:
+    if name in _JSON and value is not None:
+        return json.dumps(value)
+    if name in _BOOL:
+        return int(bool(value))
+    return value
+
+
+def _decode(cls: type[Record], row: sqlite3.Row) -> Record:
+    values: dict[str, Any] = {}
+    for f in fields(cls):
+        value = row[f.name]
+        if f.name in _JSON and value is not None:
+            value = json.loads(value)
+        elif f.name in _BOOL:
+            value = bool(value)
+        values[f.name] = value
+    return cls(**values)
