@@ -120,8 +120,6 @@ class OperationRow:
 
 
 Row = TypeVar("Row", ResourceRow, SessionRow, OperationRow)
-_BOOL_FIELDS = {"shared", "internal"}
-_JSON_FIELDS = {"spec", "error", "metadata", "lora_config", "policy_state", "output"}
 _TABLES: dict[type[Any], str] = {
     ResourceRow: "resources",
     SessionRow: "sessions",
@@ -129,31 +127,57 @@ _TABLES: dict[type[Any], str] = {
 }
 
 
-def _encode(name: str, value: Any) -> Any:
-    return json.dumps(value) if name in _JSON_FIELDS and value is not None else value
+R = TypeVar("R")  # a dataclass record
 
 
-def _decode(cls: type[Row], record: sqlite3.Row) -> Row:
-    values: dict[str, Any] = {}
-    for f in fields(cls):
-        value = record[f.name]
-        if f.name in _JSON_FIELDS and value is not None:
-            value = json.loads(value)
-        elif f.name in _BOOL_FIELDS:
-            value = bool(value)
-        values[f.name] = value
-    return cls(**values)
+@dataclass(frozen=True)
+class RowCodec:
+    """Dataclass records to and from SQLite rows: `json` fields as JSON text (None stays
+    NULL), `bools` as 0 / 1."""
+
+    json: frozenset[str]
+    bools: frozenset[str] = frozenset()
+
+    def encode(self, name: str, value: Any) -> Any:
+        if value is None:
+            return None
+        if name in self.json:
+            return json.dumps(value)
+        return int(bool(value)) if name in self.bools else value
+
+    def decode(self, cls: type[R], record: sqlite3.Row) -> R:
+        values: dict[str, Any] = {}
+        for f in fields(cls):  # type: ignore[arg-type]
+            value = record[f.name]
+            if f.name in self.json and value is not None:
+                value = json.loads(value)
+            elif f.name in self.bools:
+                value = bool(value)
+            values[f.name] = value
+        return cls(**values)
 
 
-def open_db(path: Path, schema: str) -> sqlite3.Connection:
+_CODEC = RowCodec(
+    json=frozenset({"spec", "error", "metadata", "lora_config", "policy_state", "output"}),
+    bools=frozenset({"shared", "internal"}),
+)
+
+
+def open_db(
+    path: Path, schema: str, added: tuple[tuple[str, str, str], ...] = ()
+) -> sqlite3.Connection:
     """A SQLite database for one process's threads (the caller's lock serialises them):
-    autocommit, WAL, rows by column name, `schema` applied."""
+    autocommit, WAL, rows by column name, `schema` applied, and each `(table, column, type)`
+    of `added` added where a database from before that column lacks it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
     db.row_factory = sqlite3.Row
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=NORMAL")
     db.executescript(schema)
+    for table, column, kind in added:
+        if column not in {row["name"] for row in db.execute(f"PRAGMA table_info({table})")}:
+            db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
     return db
 
 
@@ -162,11 +186,7 @@ class Catalogue:
 
     def __init__(self, path: Path) -> None:
         self._lock = threading.Lock()
-        self._db = open_db(path, _SCHEMA)
-        for table, column, kind in _ADDED_COLUMNS:  # a catalogue from before they existed
-            names = {row["name"] for row in self._db.execute(f"PRAGMA table_info({table})")}
-            if column not in names:
-                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+        self._db = open_db(path, _SCHEMA, _ADDED_COLUMNS)
 
     def close(self) -> None:
         with self._lock:
@@ -176,7 +196,7 @@ class Catalogue:
 
     def insert(self, row: ResourceRow | SessionRow | OperationRow) -> None:
         table = _TABLES[type(row)]
-        data = {k: _encode(k, v) for k, v in asdict(row).items()}
+        data = {k: _CODEC.encode(k, v) for k, v in asdict(row).items()}
         columns = ", ".join(data)
         marks = ", ".join("?" for _ in data)
         with self._lock:
@@ -187,7 +207,7 @@ class Catalogue:
     def update(self, cls: type[Row], ident: str, **changes: Any) -> None:
         changes.setdefault("updated_at", time.time())
         assignments = ", ".join(f"{k} = ?" for k in changes)
-        values: list[Any] = [_encode(k, v) for k, v in changes.items()]
+        values: list[Any] = [_CODEC.encode(k, v) for k, v in changes.items()]
         with self._lock:
             self._db.execute(
                 f"UPDATE {_TABLES[cls]} SET {assignments} WHERE id = ?", [*values, ident]
@@ -198,7 +218,7 @@ class Catalogue:
             record = self._db.execute(
                 f"SELECT * FROM {_TABLES[cls]} WHERE id = ?", (ident,)
             ).fetchone()
-        return _decode(cls, record) if record is not None else None
+        return _CODEC.decode(cls, record) if record is not None else None
 
     def page(
         self,
@@ -232,7 +252,7 @@ class Catalogue:
         params.append(limit + 1)
         with self._lock:
             records = self._db.execute(sql, params).fetchall()
-        rows = [_decode(cls, r) for r in records[:limit]]
+        rows = [_CODEC.decode(cls, r) for r in records[:limit]]
         return rows, len(records) > limit
 
     # -- specific queries ------------------------------------------------------------------
@@ -264,7 +284,7 @@ class Catalogue:
                 "SELECT * FROM sessions WHERE resource_id = ? ORDER BY created_at, id",
                 (resource_id,),
             ).fetchall()
-        return [_decode(SessionRow, r) for r in records]
+        return [_CODEC.decode(SessionRow, r) for r in records]
 
     def op_by_key(self, session_id: str, idem_key: str) -> OperationRow | None:
         with self._lock:
@@ -272,7 +292,7 @@ class Catalogue:
                 "SELECT * FROM operations WHERE session_id = ? AND idem_key = ?",
                 (session_id, idem_key),
             ).fetchone()
-        return _decode(OperationRow, record) if record is not None else None
+        return _CODEC.decode(OperationRow, record) if record is not None else None
 
     def recover(self, now: float) -> None:
         """After a restart nothing is loaded: live resources and sessions become STOPPED, and

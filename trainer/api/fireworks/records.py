@@ -9,14 +9,12 @@ write committed at once.
 
 from __future__ import annotations
 
-import json
-import sqlite3
 import threading
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from trainer.serving.catalogue import open_db
+from trainer.serving.catalogue import RowCodec, open_db
 
 
 @dataclass
@@ -62,8 +60,7 @@ _TABLES: dict[type[Any], str] = {
     HeldResource: "held",
     PromotedModel: "models",
 }
-_JSON = {"body", "status"}
-_BOOL = {"forward_only"}
+_CODEC = RowCodec(json=frozenset({"body", "status"}), bools=frozenset({"forward_only"}))
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     account TEXT NOT NULL, id TEXT NOT NULL, base_model TEXT, lora_rank INTEGER,
@@ -91,7 +88,7 @@ class FireworksRecords:
 
     def insert(self, record: Any) -> None:
         """Insert a row; `sqlite3.IntegrityError` when its key exists."""
-        data = {k: _encode(k, v) for k, v in asdict(record).items()}
+        data = {k: _CODEC.encode(k, v) for k, v in asdict(record).items()}
         with self._lock:
             self._db.execute(
                 f"INSERT INTO {_TABLES[type(record)]} ({', '.join(data)}) "
@@ -100,7 +97,7 @@ class FireworksRecords:
             )
 
     def update_job(self, account: str, job_id: str, **changes: Any) -> None:
-        values = [_encode(k, v) for k, v in changes.items()]
+        values = [_CODEC.encode(k, v) for k, v in changes.items()]
         with self._lock:
             self._db.execute(
                 f"UPDATE jobs SET {', '.join(f'{k} = ?' for k in changes)} "
@@ -120,7 +117,7 @@ class FireworksRecords:
             rows = self._db.execute(
                 f"SELECT * FROM {_TABLES[cls]} WHERE {where} {tail}", params
             ).fetchall()
-        return [_decode(cls, r) for r in rows]
+        return [_CODEC.decode(cls, r) for r in rows]
 
     def job(self, account: str, job_id: str) -> JobRecord | None:
         found = self.select(JobRecord, "account = ? AND id = ?", (account, job_id))
@@ -138,23 +135,3 @@ class FireworksRecords:
     def job_of_resource(self, resource_id: str) -> HeldResource | None:
         found = self.select(HeldResource, "resource_id = ?", (resource_id,))
         return found[0] if found else None
-
-
-def _encode(name: str, value: Any) -> Any:
-    if name in _JSON and value is not None:
-        return json.dumps(value)
-    if name in _BOOL:
-        return int(bool(value))
-    return value
-
-
-def _decode(cls: type[Record], row: sqlite3.Row) -> Record:
-    values: dict[str, Any] = {}
-    for f in fields(cls):
-        value = row[f.name]
-        if f.name in _JSON and value is not None:
-            value = json.loads(value)
-        elif f.name in _BOOL:
-            value = bool(value)
-        values[f.name] = value
-    return cls(**values)

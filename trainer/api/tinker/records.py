@@ -14,15 +14,13 @@ Thread-safe: one connection, one lock, every write committed at once.
 
 from __future__ import annotations
 
-import json
-import sqlite3
 import threading
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from trainer.serving.catalogue import open_db
+from trainer.serving.catalogue import RowCodec, open_db
 
 PENDING, DONE, FAILED = "pending", "done", "failed"
 
@@ -109,7 +107,18 @@ _TABLES: dict[type[Any], tuple[str, str]] = {
     TinkerCheckpoint: ("checkpoints", "path"),
     TinkerSampler: ("samplers", "id"),
 }
-_JSON = {"user_metadata", "lora_config", "result"}
+_CODEC = RowCodec(
+    json=frozenset({"user_metadata", "lora_config", "result"}), bools=frozenset({"frozen"})
+)
+_ADDED_COLUMNS = (  # a store from before these columns existed gets them
+    ("futures", "body_hash", "TEXT"),
+    ("futures", "owner", "TEXT"),
+    ("sessions", "owner", "TEXT"),
+    ("samplers", "owner", "TEXT"),
+    ("models", "frozen", "INTEGER NOT NULL DEFAULT 0"),
+    ("models", "scope", "TEXT"),
+    ("checkpoints", "scope", "TEXT"),
+)
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
     id TEXT PRIMARY KEY, created_at REAL, heartbeat_at REAL, display_name TEXT,
@@ -135,19 +144,7 @@ CREATE TABLE IF NOT EXISTS samplers (
 class TinkerRecords:
     def __init__(self, path: Path) -> None:
         self._lock = threading.Lock()
-        self._db = open_db(path, _SCHEMA)
-        for table, column, kind in (
-            ("futures", "body_hash", "TEXT"),
-            ("futures", "owner", "TEXT"),
-            ("sessions", "owner", "TEXT"),
-            ("samplers", "owner", "TEXT"),
-            ("models", "frozen", "INTEGER NOT NULL DEFAULT 0"),
-            ("models", "scope", "TEXT"),
-            ("checkpoints", "scope", "TEXT"),
-        ):
-            columns = {row["name"] for row in self._db.execute(f"PRAGMA table_info({table})")}
-            if column not in columns:  # a store from before the column existed gets it
-                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+        self._db = open_db(path, _SCHEMA, _ADDED_COLUMNS)
         self._db.execute("CREATE INDEX IF NOT EXISTS checkpoints_scope ON checkpoints (scope)")
 
     def close(self) -> None:
@@ -156,10 +153,7 @@ class TinkerRecords:
 
     def insert(self, record: Any, replace: bool = False) -> None:
         table, _ = _TABLES[type(record)]
-        data = {
-            k: json.dumps(v) if k in _JSON and v is not None else _sql(v)
-            for k, v in asdict(record).items()
-        }
+        data = {k: _sql(_CODEC.encode(k, v)) for k, v in asdict(record).items()}
         verb = "INSERT OR REPLACE" if replace else "INSERT"
         with self._lock:
             self._db.execute(
@@ -169,9 +163,7 @@ class TinkerRecords:
 
     def update(self, cls: type[Any], key: str, **changes: Any) -> None:
         table, pk = _TABLES[cls]
-        values = [
-            json.dumps(v) if k in _JSON and v is not None else _sql(v) for k, v in changes.items()
-        ]
+        values = [_sql(_CODEC.encode(k, v)) for k, v in changes.items()]
         with self._lock:
             self._db.execute(
                 f"UPDATE {table} SET {', '.join(f'{k} = ?' for k in changes)} WHERE {pk} = ?",
@@ -190,7 +182,7 @@ class TinkerRecords:
             records = self._db.execute(
                 f"SELECT * FROM {table} WHERE {where} {tail}", [_sql(p) for p in params]
             ).fetchall()
-        return [_decode(cls, r) for r in records]
+        return [_CODEC.decode(cls, r) for r in records]
 
     def count(self, cls: type[Any], where: str = "1", params: tuple[Any, ...] = ()) -> int:
         table, _ = _TABLES[cls]
@@ -246,16 +238,3 @@ def _sql(value: Any) -> Any:
         except UnicodeEncodeError:
             return value.encode("utf-8", "backslashreplace").decode()
     return value
-
-
-def _decode(cls: type[Record], record: sqlite3.Row) -> Record:
-    values = {
-        f.name: json.loads(record[f.name])
-        if f.name in _JSON and record[f.name] is not None
-        else record[f.name]
-        for f in fields(cls)
-    }
-    for f in fields(cls):
-        if f.type == "bool":  # SQLite stores booleans as 0 / 1
-            values[f.name] = bool(values[f.name])
-    return cls(**values)
