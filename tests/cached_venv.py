@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 
 def venv_dir(name: str, pins: Iterable[str]) -> Path:
@@ -36,3 +38,22 @@ def cached_python(
         fill(python)
         done.touch()
     return python
+
+
+def run_json(
+    python: Path, argv: list[str], env: dict[str, str], timeout: float, cwd: Path
+) -> dict[str, Any]:
+    """Run `python argv...` (a venv's script); the JSON object on its last stdout line that
+    starts with `{`. A failed run raises with the tails of its output."""
+    proc = subprocess.run(
+        [str(python), *argv], env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd
+    )
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"{argv} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+            f"\n--- stderr\n{proc.stderr[-8000:]}"
+        )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"{argv} printed no JSON\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result

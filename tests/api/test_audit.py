@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -243,7 +244,9 @@ def test_each_mutating_route_of_both_faces_writes_one_line(
             "bob",
         )
 
-    written = lines(server.storage)[start:]
+    deadline = time.monotonic() + 10  # a line is written once its response has been sent
+    while len(written := lines(server.storage)[start:]) < len(sent) and time.monotonic() < deadline:
+        time.sleep(0.05)
     got = [(e["method"], e["route"], e["status"], e["user"]) for e in written]
     assert sorted(got, key=str) == sorted(sent, key=str)
     text = (server.storage / "audit.jsonl").read_text()

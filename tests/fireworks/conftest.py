@@ -12,9 +12,7 @@ pointing at the worker, and returns the JSON object it prints last.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ from typing import Any
 import pytest
 
 from tests.api.conftest import TOKEN, LiveServer, serve_in_thread
+from tests.cached_venv import run_json
 from tests.fireworks.venv import VERSIONS, fireworks_python
 from tests.tinker.conftest import build_served_model
 
@@ -90,20 +89,4 @@ def run_fw(
     **env: str,
 ) -> dict[str, Any]:
     """Run `python argv...` against `server`; the JSON object on its last stdout line."""
-    proc = subprocess.run(
-        [str(python), *argv],
-        env=fw_env(server, api_key, **env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-    )
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"{argv} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
-            f"\n--- stderr\n{proc.stderr[-8000:]}"
-        )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert lines, f"{argv} printed no JSON\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    result: dict[str, Any] = json.loads(lines[-1])
-    return result
+    return run_json(python, argv, fw_env(server, api_key, **env), timeout, REPO)

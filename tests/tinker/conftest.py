@@ -25,9 +25,7 @@ The SDK (tinker 0.38, which `together` cannot share an environment with) runs in
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +34,7 @@ import httpx
 import pytest
 
 from tests.api.conftest import TOKEN, LiveServer, serve_in_thread
+from tests.cached_venv import run_json
 from tests.tinker import tinker_http as th
 from tests.tinker.venv import tinker_python
 from trainer.tiny import TinySpec, save_model
@@ -195,23 +194,7 @@ def run_in_venv(
     python: Path, server: LiveServer, argv: list[str], timeout: float = 300, **env: str
 ) -> dict[str, Any]:
     """Run `python argv...` against `server`; the JSON object on its last stdout line."""
-    proc = subprocess.run(
-        [str(python), *argv],
-        env=sdk_env(server, **env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-    )
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"{argv} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
-            f"\n--- stderr\n{proc.stderr[-8000:]}"
-        )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert lines, f"{argv} printed no JSON\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    result: dict[str, Any] = json.loads(lines[-1])
-    return result
+    return run_json(python, argv, sdk_env(server, **env), timeout, REPO)
 
 
 # A worker on the tiny model for one test module, its raw-HTTP client and a Tinker model on it
