@@ -446,3 +446,43 @@ def test_an_unloaded_full_weight_model_frees_its_resource(
     assert alice.post("/get_info", json={"model_id": full}).json()["is_lora"] is False
     th.ok(alice, "/unload_model", {"model_id": full})
     assert live.worker.resource(state.resource_id).status == RES_STOPPED
+
+
+def test_a_name_saved_again_is_replaced_and_a_new_model_takes_over_a_full_job(
+    live: LiveServer,
+) -> None:
+    """The cookbook saves `step-2` twice (its interval save, then its final save) and never
+    sends `overwrite`: the second save replaces the first. A kept full-weight job's model from
+    an earlier run (a client that exited) gives way to the next run's model."""
+    job = _job(live, "job-again", 0)
+    http = bound(live, job)
+    first = model(http, lora_config={"rank": 0})
+    save = {"model_id": first, "path": "step-2"}
+    before = th.logprobs(forward(http, first, [datum()]))
+    th.ok(http, "/save_weights", save)
+    fb = {
+        "model_id": first,
+        "forward_backward_input": {"data": [datum()], "loss_fn": "cross_entropy"},
+    }
+    th.ok(http, "/forward_backward", fb)
+    th.ok(http, "/optim_step", th.optim_body(first))
+    after = th.logprobs(forward(http, first, [datum()]))
+    assert after != before
+    again = th.ok(http, "/save_weights", save)["path"]
+    assert again == names.canonical("alice", job.scope, "step-2")
+    assert http.get("/list_checkpoints").json() == {"checkpoints": ["step-2"]}
+    # the next run's model on the same job: the first model gives way, the name loads the newer
+    session = th.new_session(http)
+    body = {"session_id": session, "model_seq_id": 0, "path": "step-2", "optimizer": True}
+    loaded = th.ok(http, "/load_weights", body)["model_id"]
+    assert th.logprobs(forward(http, loaded, [datum()])) == after
+    gone = http.post(
+        "/forward", json={"model_id": first, "forward_input": fb["forward_backward_input"]}
+    )
+    assert gone.status_code == 400 and gone.json()["error"]["param"] == "model_id", gone.text
+    # the tinker SDK's own rule is unchanged: an existing tinker:// path needs overwrite
+    with th.client(live, **{"X-API-Key": f"tml-{KEYS['alice']}"}) as tk:
+        tinker_model = model(tk, lora_config={"rank": 2, "seed": 0})
+        th.ok(tk, "/save_weights", {"model_id": tinker_model, "path": "twice"})
+        refused = tk.post("/save_weights", json={"model_id": tinker_model, "path": "twice"})
+        assert "exists" in th.wait(tk, refused.json()["request_id"])["error"]

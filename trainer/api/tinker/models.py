@@ -103,6 +103,19 @@ def resource_of(bridge: TinkerBridge, plan: ModelPlan, who: Principal) -> str:
     return bridge.resource_for(plan.base_model)
 
 
+def take_over(bridge: TinkerBridge, plan: ModelPlan, resource_id: str) -> None:
+    """A full-weight job hosts one model: a new model on it ends the job's earlier one (the
+    same account's, by the binding: a client that exited without closing it, a reference job
+    kept for a resumed run); the earlier model then answers "no longer loaded"
+    (docs/semantics.md §23)."""
+    if plan.binding is None or plan.kind != "full":
+        return
+    with bridge.worker.lock:
+        held = [s.id for s in bridge.worker.sessions.values() if s.resource_id == resource_id]
+    for session_id in held:
+        bridge.stop_session(session_id)
+
+
 def _ready(bridge: TinkerBridge, resource_id: str, base_model: str) -> str:
     loaded = bridge.worker.resource_loaded(resource_id)
     if loaded is not None:

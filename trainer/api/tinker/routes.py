@@ -183,6 +183,7 @@ async def create_model(request: Request) -> dict[str, Any]:
 
     def work(_: str) -> dict[str, Any]:
         resource_id = models.resource_of(bridge, plan, who)
+        models.take_over(bridge, plan, resource_id)
         spec = models.session_spec(plan, f"tinker {model_id}")
         session_id = bridge.open_session(resource_id, spec, "create_model", who)
         now = time.time()

@@ -160,9 +160,8 @@ def _swap(
         bridge.stop_session(old.session_id)  # its own resource hosts the new session
         resource_id = _reuse(bridge, old.resource_id) or models.resource_of(bridge, plan, who)
     else:
-        if plan.kind == "full" and old is not None and plan.binding is not None:
-            bridge.stop_session(old.session_id)
         resource_id = models.resource_of(bridge, plan, who)
+        models.take_over(bridge, plan, resource_id)  # a bound full job: its one session
     session_id = bridge.open_session(resource_id, spec, "path", who)
     now = time.time()
     binding: Binding | None = plan.binding

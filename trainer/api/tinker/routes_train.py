@@ -280,7 +280,7 @@ async def save_weights(request: Request) -> dict[str, Any]:
             request_id,
             body.ttl_seconds,
             body.user_metadata,
-            body.overwrite,
+            body.overwrite or logical,  # the Fireworks SDK: a name saved again is replaced
         )
         named = _named(bridge, account, model, "training", name, path)
         return {"path": named if logical else path, "type": "save_weights"}
