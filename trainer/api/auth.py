@@ -5,6 +5,8 @@ principal is left on `request.state.principal` for the routes, the audit trail a
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from fastapi import Request
 
 from trainer.api.keys import LOCAL, KeyRing, Principal
@@ -33,25 +35,51 @@ def listed_owner(who: Principal, created_by: str | None) -> str | None:
     return NOBODY
 
 
-class BearerAuth:
-    """FastAPI dependency: `Authorization: Bearer <key>` must be a key in force."""
+class KeyAuth:
+    """FastAPI dependency: the request's key must be a key in force (`KeyRing`, constant-time);
+    its principal goes on `request.state.principal` and `ACTING_USER` (the operations the
+    request queues count for it). Each face says where its key travels (`key_of`) and how a
+    missing key is asked for (`missing`); the RL face's is the bearer token."""
+
+    missing = "missing bearer token in the Authorization header"
+    invalid = "invalid API token"
 
     def __init__(self, keys: KeyRing | str | None) -> None:
         self.keys = keys if isinstance(keys, KeyRing) else KeyRing(token=keys)
 
-    async def __call__(self, request: Request) -> None:
+    def key_of(self, headers: Mapping[str, str]) -> str:
+        scheme, _, given = headers.get("authorization", "").partition(" ")
+        return given.strip() if scheme.lower() == "bearer" else ""
+
+    def lookup(self, given: str) -> Principal | None:
+        return self.keys.identify(given)
+
+    def principal(self, headers: Mapping[str, str]) -> Principal:
+        """The principal of the key in `headers` (lower-case names); a 401 otherwise."""
         if self.keys.open:
-            request.state.principal = LOCAL
-            ACTING_USER.set(LOCAL.user)
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not given:
-            raise ApiError(
-                401, "missing bearer token in the Authorization header", code="invalid_api_key"
-            )
-        principal = self.keys.identify(given.strip())
+            return LOCAL
+        given = self.key_of(headers)
+        if not given:
+            raise ApiError(401, self.missing, code="invalid_api_key")
+        principal = self.lookup(given)
         if principal is None:
-            raise ApiError(401, "invalid API token", code="invalid_api_key")
+            raise ApiError(401, self.invalid, code="invalid_api_key")
+        return principal
+
+    async def __call__(self, request: Request) -> None:
+        principal = self.principal(request.headers)
         request.state.principal = principal
-        ACTING_USER.set(principal.user)  # the operations this request queues count for it
+        ACTING_USER.set(principal.user)
+
+
+class BearerAuth(KeyAuth):
+    """The RL face's check: `Authorization: Bearer <key>`."""
+
+
+class ApiKeyAuth(KeyAuth):
+    """The SDKs' check (Tinker, Fireworks): `X-API-Key`, else a bearer token."""
+
+    invalid = "invalid API key"
+
+    def key_of(self, headers: Mapping[str, str]) -> str:
+        return headers.get("x-api-key", "").strip() or super().key_of(headers)

@@ -11,51 +11,18 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from trainer.api.keys import LOCAL, KeyRing, Principal
-from trainer.serving.errors import ApiError
-from trainer.serving.users import ACTING_USER
+from trainer.api.auth import ApiKeyAuth
+from trainer.api.keys import LOCAL, Principal
 
 PUBLIC_ACCOUNT = "fireworks"
 """The account whose `models` are the worker's catalogue, readable by every key."""
 
 
-def key_of(headers: dict[str, str]) -> str:
-    """The key a request carries: `X-Api-Key`, else a bearer token ("" if neither)."""
-    given = headers.get("x-api-key", "")
-    if not given:
-        scheme, _, bearer = headers.get("authorization", "").partition(" ")
-        given = bearer if scheme.lower() == "bearer" else ""
-    return given.strip()
+class FireworksAuth(ApiKeyAuth):
+    """FastAPI dependency of every `/v1/accounts/...` route; `principal(headers)` is also the
+    job gateway's check."""
 
-
-def identify(keys: KeyRing, headers: dict[str, str]) -> Principal:
-    """The principal of the request's key; a 401 without a key in force."""
-    if keys.open:
-        return LOCAL
-    given = key_of(headers)
-    if not given:
-        raise ApiError(
-            401,
-            "missing API key: send X-Api-Key (FIREWORKS_API_KEY) or Authorization: Bearer",
-            code="invalid_api_key",
-        )
-    principal = keys.identify(given)
-    if principal is None:
-        raise ApiError(401, "invalid API key", code="invalid_api_key")
-    return principal
-
-
-class FireworksAuth:
-    """FastAPI dependency of every `/v1/accounts/...` route: the principal goes on
-    `request.state.principal` (the audit trail's user) and `ACTING_USER`."""
-
-    def __init__(self, keys: KeyRing) -> None:
-        self.keys = keys
-
-    async def __call__(self, request: Request) -> None:
-        principal = identify(self.keys, {k: v for k, v in request.headers.items()})
-        request.state.principal = principal
-        ACTING_USER.set(principal.user)
+    missing = "missing API key: send X-Api-Key (FIREWORKS_API_KEY) or Authorization: Bearer"
 
 
 def principal_of(request: Request) -> Principal:

@@ -16,7 +16,7 @@ from typing import Any
 from fastapi.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from trainer.api.fireworks.auth import identify
+from trainer.api.fireworks.auth import FireworksAuth
 from trainer.api.fireworks.jobs import RUNNING, missing_job
 from trainer.api.tinker.binding import SCOPE_KEY
 from trainer.serving.errors import ApiError, failed_precondition
@@ -55,7 +55,7 @@ class JobGateway:
             )
         face = self.fastapi_app.state.fireworks
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        who = identify(face.keys, headers)
+        who = FireworksAuth(face.keys).principal(headers)
         if account != who.user:
             raise missing_job(job_id)
         job = await run_in_threadpool(face.jobs.find, who, job_id)

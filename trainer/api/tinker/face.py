@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 
-from trainer.api.keys import LOCAL, KeyRing
+from trainer.api.auth import ApiKeyAuth
+from trainer.api.keys import KeyRing, Principal
 from trainer.api.tinker import routes, routes_firetitan, routes_runs, routes_train, sampling
 from trainer.api.tinker.bridge import TinkerBridge
 from trainer.api.tinker.paths import TINKER_ID
 from trainer.serving.errors import ApiError, bad_request
-from trainer.serving.users import ACTING_USER
 from trainer.serving.worker import Worker
 
 PREFIX = "/api/v1"
@@ -36,35 +36,17 @@ NOT_SERVED = {
 SESSION_NOT_SERVED = ("/project", "/trace_export")
 
 
-class TinkerAuth:
+class TinkerAuth(ApiKeyAuth):
     """The key as the SDK sends it: `X-API-Key`, or a bearer token. The SDK refuses keys
-    without its `tml-` prefix, so `tml-<key>` names the same key as `<key>` (`KeyRing`,
-    constant-time); the principal goes on `request.state.principal`."""
+    without its `tml-` prefix, so `tml-<key>` names the same key as `<key>`."""
 
-    def __init__(self, keys: KeyRing | str | None) -> None:
-        self.keys = keys if isinstance(keys, KeyRing) else KeyRing(token=keys)
+    missing = "missing API key: send X-API-Key (TINKER_API_KEY)"
 
-    async def __call__(self, request: Request) -> None:
-        if self.keys.open:
-            request.state.principal = LOCAL
-            ACTING_USER.set(LOCAL.user)
-            return
-        given = request.headers.get("x-api-key", "")
-        if not given:
-            scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
-            given = bearer if scheme.lower() == "bearer" else ""
-        given = given.strip()
-        if not given:
-            raise ApiError(
-                401, "missing API key: send X-API-Key (TINKER_API_KEY)", code="invalid_api_key"
-            )
+    def lookup(self, given: str) -> Principal | None:
         principal = self.keys.identify(given)
         if principal is None and given.startswith(KEY_PREFIX):
             principal = self.keys.identify(given.removeprefix(KEY_PREFIX))
-        if principal is None:
-            raise ApiError(401, "invalid API key", code="invalid_api_key")
-        request.state.principal = principal
-        ACTING_USER.set(principal.user)  # the operations this request queues count for it
+        return principal
 
 
 async def check_tinker_ids(request: Request) -> None:
