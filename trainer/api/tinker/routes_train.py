@@ -198,9 +198,9 @@ def _save(
     user_metadata: dict[str, str] | None,
     overwrite: bool,
     export: AdapterExport | None = None,
-) -> str:
+) -> TinkerCheckpoint:
     """Write the checkpoint (training, inference, or with `export` an adapter export) and
-    record its tinker path."""
+    record its tinker path; the record."""
     path = paths.make(model.id, kind, name)
     existing = bridge.db.get(TinkerCheckpoint, path)
     if existing is not None and not overwrite:
@@ -215,20 +215,18 @@ def _save(
     if not checkpoint_id:
         raise RequestFailed(f"{op} returned no checkpoint id: {sorted(output)}", "server")
     now = time.time()
-    bridge.db.insert(
-        TinkerCheckpoint(
-            path=path,
-            run_id=model.id,
-            kind=kind,
-            name=name,
-            checkpoint_id=checkpoint_id,
-            created_at=now,
-            expires_at=now + ttl_seconds if ttl_seconds else None,
-            user_metadata=user_metadata,
-        ),
-        replace=True,
+    saved = TinkerCheckpoint(
+        path=path,
+        run_id=model.id,
+        kind=kind,
+        name=name,
+        checkpoint_id=checkpoint_id,
+        created_at=now,
+        expires_at=now + ttl_seconds if ttl_seconds else None,
+        user_metadata=user_metadata,
     )
-    return path
+    bridge.db.insert(saved, replace=True)
+    return saved
 
 
 def _save_request(
@@ -253,15 +251,11 @@ def firetitan(request: Request) -> bool:
     return binding_of(request) is not None or agent.startswith(names.FIRETITAN_AGENT)
 
 
-def _named(
-    bridge: TinkerBridge, account: str, model: TinkerModel, kind: str, name: str, path: str
-) -> str:
+def _named(bridge: TinkerBridge, account: str, model: TinkerModel, saved: TinkerCheckpoint) -> str:
     """Record a saved checkpoint's logical name when it is one; the logical path."""
-    if not names.DNS_LABEL.fullmatch(name):
-        return path
-    saved = bridge.db.get(TinkerCheckpoint, path)
-    assert saved is not None
-    return names.record(bridge, account, model, kind, name, saved.checkpoint_id)
+    if not names.DNS_LABEL.fullmatch(saved.name):
+        return saved.path
+    return names.record(bridge, account, model, saved.kind, saved.name, saved.checkpoint_id)
 
 
 @router.post("/save_weights")
@@ -272,7 +266,7 @@ async def save_weights(request: Request) -> dict[str, Any]:
     account, logical = names.account_of(who, binding_of(request)), firetitan(request)
 
     def work(request_id: str) -> dict[str, Any]:
-        path = _save(
+        saved = _save(
             bridge,
             model,
             "training",
@@ -282,8 +276,8 @@ async def save_weights(request: Request) -> dict[str, Any]:
             body.user_metadata,
             body.overwrite or logical,  # the Fireworks SDK: a name saved again is replaced
         )
-        named = _named(bridge, account, model, "training", name, path)
-        return {"path": named if logical else path, "type": "save_weights"}
+        named = _named(bridge, account, model, saved)
+        return {"path": named if logical else saved.path, "type": "save_weights"}
 
     return future_json(bridge.start(model.id, "SaveWeights", key, work, who), model.id)
 
@@ -297,11 +291,12 @@ async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
     account, logical = names.account_of(who, binding_of(request)), firetitan(request)
 
     def work(request_id: str) -> dict[str, Any]:
-        path = _save(
+        saved = _save(
             bridge, model, "sampler", name, request_id, body.ttl_seconds, body.user_metadata, True
         )
+        path = saved.path
         _publish_for_samplers(samplers, bridge, model, path, request_id)
-        named = _named(bridge, account, model, "sampler", name, path)
+        named = _named(bridge, account, model, saved)
         out: dict[str, Any] = {
             "path": named if logical else path,
             "type": "save_weights_for_sampler",
@@ -352,7 +347,7 @@ async def save_weights_external(request: Request) -> dict[str, Any]:
     def work(request_id: str) -> dict[str, Any]:
         path = _save(
             bridge, model, "external", name, request_id, body.ttl_seconds, None, True, export
-        )
+        ).path
         record = paths.resolve(bridge, path, "path", who)
         files = bridge.worker.checkpoints.variant_files(record.id, "ADAPTER")
         size = sum(f.size for f in files)
