@@ -5,9 +5,7 @@ references, `grad_accumulation_normalization`, chunks of 1,024 datums and forwar
 
 from __future__ import annotations
 
-import hashlib
 import re
-import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,7 @@ from starlette.testclient import TestClient
 from transformers import AutoModelForCausalLM
 
 from tests.api.conftest import LiveServer, serve_in_thread
+from tests.api.team_helpers import write_keys
 from tests.fireworks.conftest import QWEN
 from tests.tinker import tinker_http as th
 from trainer.api.keys import KeyRing
@@ -32,7 +31,7 @@ from trainer.serving.tenants import Principal
 
 pytestmark = pytest.mark.fireworks
 
-KEYS = {name: secrets.token_urlsafe(24) for name in ("alice", "bob")}
+KEYS: dict[str, str] = {}  # user -> key, written by `live`
 AGENT = "AsyncTinker/Python 0.23.0"  # the Fireworks SDK's vendored client
 SEQ = [3, 17, 22, 9, 27, 5]
 
@@ -47,12 +46,7 @@ def live(
     fw_models: dict[str, Path], adapters: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LiveServer]:
     path = tmp_path_factory.mktemp("keys") / "keys.toml"
-    path.write_text(
-        "".join(
-            f'[[key]]\nuser = "{name}"\nsha256 = "{hashlib.sha256(key.encode()).hexdigest()}"\n\n'
-            for name, key in KEYS.items()
-        )
-    )
+    KEYS.update(write_keys(path, (), ("alice", "bob")))
     storage = tmp_path_factory.mktemp("fw-dp-storage")
     models = {QWEN: fw_models[QWEN]}
     with serve_in_thread(
