@@ -423,7 +423,7 @@ def test_sample_mapping() -> None:
     for change, field in (
         ({"sampling_params": {"stop": []}}, "sampling_params.stop"),
         ({"sampling_params": {"min_p": 0.1}}, "sampling_params.min_p"),
-        ({"topk_sample_logprobs": 2}, "topk_sample_logprobs"),
+        ({"topk_sample_logprobs": 21}, "topk_sample_logprobs"),  # served up to 20
         ({"prompt": {"chunks": [{"type": "image", "format": "png"}]}}, "prompt.chunks[0]"),
         ({"topk_prompt_logprobs": 21}, "topk_prompt_logprobs"),
     ):

@@ -16,11 +16,14 @@ from torch import nn
 
 from trainer.compute import moe_replay
 from trainer.compute.multilora import Segment, segmented
+from trainer.compute.prompt_scores import prompt_logprobs
 from trainer.contract.errors import OperationError
 from trainer.contract.specs import SamplingParams
 
 STOP_LENGTH = "STOP_REASON_LENGTH"
 STOP_STOP = "STOP_REASON_STOP"
+STOP_CANCELLED = "STOP_REASON_CANCELLED"
+"""A row whose job's `SampleWatch` said stop; only callers that pass a watch ever see it."""
 
 StopCheck = Callable[[list[int]], bool]
 """Whether a row's tokens so far end in a stop (a stop string)."""
@@ -28,12 +31,20 @@ StopCheck = Callable[[list[int]], bool]
 Forward = Callable[..., Any]
 """A call of the model with keyword inputs (`input_ids`, `attention_mask`, ...)."""
 
+__all__ = ["prompt_logprobs"]  # re-exported: the prompt side lives in `prompt_scores`
+
 
 @dataclass
 class Sequence:
+    """One generated row. `logprobs`: each token's logprob under the model (raw logits);
+    `sampling_logprobs` (when asked): under the distribution it was drawn from;
+    `top_logprobs` (when asked): per token, the model's k most likely ids and logprobs."""
+
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     stop_reason: str = STOP_LENGTH
+    sampling_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[str, list]] = field(default_factory=list)
     routed_experts: torch.Tensor | None = (
         None  # MoE expert ids when recorded (`trainer/compute/moe_replay.py`)
     )
@@ -43,7 +54,9 @@ class Sequence:
 class DecodeJob:
     """One call's rows of a generation, prompt by prompt, `num_samples` rows each. A row stops
     at a token of `eos_ids`, when `stop_hit` says so, or after `params.max_tokens` tokens.
-    `record_routed_experts`: each sequence gets the MoE experts its positions were routed to."""
+    `record_routed_experts`: each sequence gets the MoE experts its positions were routed to.
+    `sampling_logprobs`: each token also gets its logprob under the distribution it was drawn
+    from (`params.top_logprobs` > 0: the model's top k per token). `watch`: `SampleWatch`."""
 
     prompts: list[list[int]]
     num_samples: int
@@ -53,10 +66,32 @@ class DecodeJob:
     stop_hit: StopCheck | None = None
     adapter: str | None = None
     record_routed_experts: bool = False
+    sampling_logprobs: bool = False
+    watch: SampleWatch | None = None
 
     @property
     def rows(self) -> int:
         return len(self.prompts) * self.num_samples
+
+
+class SampleWatch(Protocol):
+    """A caller's view of its job while it generates, called from the generating thread.
+
+    `stopped()` is asked once per decode step: when true the job ends at once, its rows keep
+    the tokens they have, with stop reason `STOP_CANCELLED`. `step(sequences)` is told after
+    each decode step the job's sequences (live objects: copy what you keep); it must be cheap.
+    A watch that raises fails its own job alone; the other jobs of the batch go on."""
+
+    def stopped(self) -> bool: ...
+
+    def step(self, sequences: list[Sequence]) -> None: ...
+
+
+def watch_failed(exc: Exception) -> OperationError:
+    """A job's `SampleWatch` raised: the job fails, alone."""
+    return OperationError(
+        "INTERNAL_ERROR", f"the sample's watch failed: {type(exc).__name__}: {exc}"
+    )
 
 
 class Report(Protocol):
@@ -102,9 +137,11 @@ def draw_seed(seed: int | None, rng: torch.Generator | None = None) -> int:
 
 def _choose(
     logits_S_V: torch.Tensor, params: SamplingParams, generator: torch.Generator
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's token, and the log-distribution it was drawn from (after temperature, top-k
+    and top-p; None when greedy)."""
     if params.temperature == 0.0:
-        return logits_S_V.argmax(-1)
+        return logits_S_V.argmax(-1), None
     logits = logits_S_V / params.temperature
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
@@ -116,7 +153,8 @@ def _choose(
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+    chosen = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1)
+    return chosen.to(logits.device), torch.log_softmax(logits, dim=-1)
 
 
 def _cache_kwarg(model: nn.Module) -> str:
@@ -172,6 +210,7 @@ class _Draws:
         self.finished = False
         self.error: OperationError | None = None
         self.reported = False
+        self.drawn_from: torch.Tensor | None = None  # this step's drawn-from log-distribution
 
     def finite(self, logits: torch.Tensor) -> bool:
         """Whether the logits of its running rows are finite (else it fails, alone)."""
@@ -181,26 +220,70 @@ class _Draws:
         self.error, self.finished = non_finite_logits(), True
         return False
 
+    def cancelled(self) -> bool:
+        """Whether its watch says stop (then its running rows end, `STOP_CANCELLED`)."""
+        watch = self.job.watch
+        if watch is None or not self._watched(watch.stopped):
+            return False
+        if self.error is None:
+            for r, seq in enumerate(self.sequences):
+                if not self.done[r]:
+                    seq.stop_reason, self.done[r] = STOP_CANCELLED, True
+        self.finished = True
+        return True
+
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
-        return _choose(logits[self.start : self.end], self.job.params, self.generator)
+        chosen, self.drawn_from = _choose(
+            logits[self.start : self.end], self.job.params, self.generator
+        )
+        return chosen
 
     def take(self, logits: torch.Tensor, chosen: torch.Tensor, step: int) -> None:
-        """Each running row's token and its logprob; the job is finished once every row has
-        stopped or the step was its last."""
+        """Each running row's token and its logprobs (the model's; when asked, the drawn-from
+        distribution's and the model's top k), copied to the host at once; the job is finished
+        once every row has stopped or the step was its last."""
+        job = self.job
         picked = chosen[self.start : self.end]
         logprobs = torch.log_softmax(logits[self.start : self.end], dim=-1)
-        picked_lp = logprobs.gather(-1, picked[:, None]).squeeze(-1).cpu().tolist()
-        job = self.job
-        for r, (token, logprob) in enumerate(zip(picked.tolist(), picked_lp, strict=True)):
+        columns = [logprobs.gather(-1, picked[:, None]).squeeze(-1)]
+        if job.sampling_logprobs:
+            drawn = self.drawn_from
+            columns.append(
+                torch.zeros_like(columns[0])
+                if drawn is None
+                else drawn.gather(-1, picked[:, None]).squeeze(-1)
+            )
+        k = job.params.top_logprobs
+        if k > 0:  # ids travel as floats (exact below 2**24) so one copy brings everything
+            top_values, top_indices = torch.topk(logprobs, k, dim=-1)
+            columns.extend([*top_indices.T.to(logprobs.dtype), *top_values.T])
+        host = torch.stack(columns, dim=-1).cpu().tolist()  # [rows, 1 (+1) (+2k)]
+        for r, (token, values) in enumerate(zip(picked.tolist(), host, strict=True)):
             if self.done[r]:
                 continue
             seq = self.sequences[r]
             seq.tokens.append(token)
-            seq.logprobs.append(logprob)
+            seq.logprobs.append(values[0])
+            if job.sampling_logprobs:
+                seq.sampling_logprobs.append(values[1])
+            if k > 0:
+                ids = [int(t) for t in values[-2 * k : -k]]
+                seq.top_logprobs.append({"token_ids": ids, "logprobs": values[-k:]})
             if token in job.eos_ids or (job.stop_hit is not None and job.stop_hit(seq.tokens)):
                 seq.stop_reason = STOP_STOP
                 self.done[r] = True
         self.finished = all(self.done) or step + 1 >= job.params.max_tokens
+        watch = job.watch
+        if watch is not None:
+            self._watched(lambda: watch.step(self.sequences))
+
+    def _watched(self, call: Callable[[], Any]) -> Any:
+        """A call of the job's watch; one that raises fails this job alone."""
+        try:
+            return call()
+        except Exception as exc:
+            self.error, self.finished = watch_failed(exc), True
+            return True
 
     def grouped(self) -> list[list[Sequence]]:
         n = self.job.num_samples
@@ -371,7 +454,7 @@ def _step(
 ) -> torch.Tensor:
     """Every running job's tokens (agreed on), appended to its rows; the tokens every row is
     fed next (a finished or failed job's rows: 0)."""
-    running = [d for d in draws if not d.finished and d.finite(logits)]
+    running = [d for d in draws if not d.finished and not d.cancelled() and d.finite(logits)]
     chosen = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
     for d in running:
         chosen[d.start : d.end] = d.choose(logits)
@@ -380,38 +463,3 @@ def _step(
     for d in running:
         d.take(logits, chosen, step)
     return chosen
-
-
-@torch.no_grad()
-def prompt_logprobs(
-    model: nn.Module,
-    prompt: list[int],
-    topk: int,
-    forward: Forward | None = None,
-    last_n: int | None = None,
-) -> tuple[list[float | None], list[dict[str, list]]]:
-    """Teacher-forced logprobs of each prompt token (entry 0 is a 0.0 placeholder), and the
-    top-k alternatives per position (entry 0 empty).
-
-    `last_n` (1 <= N <= len(prompt) - 1, checked by the caller) scores only the last N tokens:
-    the head and its log-softmax run on the N + 1 last positions alone (`logits_to_keep`), and
-    the entries before are None (their top-k rows empty)."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([prompt], dtype=torch.long, device=device)
-    call = model if forward is None else forward
-    scored = len(prompt) - 1 if last_n is None else last_n
-    kwargs: dict[str, Any] = {} if last_n is None else {"logits_to_keep": last_n + 1}
-    # the positions whose logits predict the scored tokens (a model that ignores
-    # `logits_to_keep` returns them all: the slice keeps the same ones)
-    logits_N_V = call(input_ids=ids, **kwargs).logits[0, -(scored + 1) : -1]
-    logprobs_N_V = torch.log_softmax(logits_N_V.float(), dim=-1)
-    targets = ids[0, len(prompt) - scored :]
-    chosen = logprobs_N_V.gather(-1, targets[:, None]).squeeze(-1).tolist()
-    skipped = len(prompt) - 1 - scored
-    top: list[dict[str, list]] = [{"token_ids": [], "logprobs": []}]
-    if topk > 0:
-        top.extend({"token_ids": [], "logprobs": []} for _ in range(skipped))
-        values, indices = torch.topk(logprobs_N_V, topk, dim=-1)
-        for v, i in zip(values.tolist(), indices.tolist(), strict=True):
-            top.append({"token_ids": i, "logprobs": v})
-    return [0.0, *([None] * skipped), *chosen], top

@@ -200,6 +200,13 @@ class SamplingParams(Spec):
     # token ids that end a sequence like EOS does (the Tinker face's integer `stop`)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     seed: Seed | None = None
+    top_logprobs: int = Field(
+        default=0,
+        ge=0,
+        le=20,
+        description="per generated token, the model's k most likely ids and their logprobs "
+        "(raw logits: no temperature, top-k or top-p); 0: none",
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,9 +13,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from trainer.compute.sampler import DecodeJob, Sequence, StopCheck, draw_seed
+from trainer.compute.prompt_scores import ExtraScores, PromptExtras
+from trainer.compute.sampler import DecodeJob, SampleWatch, Sequence, StopCheck, draw_seed
 from trainer.contract.errors import invalid
-from trainer.contract.rules import Limits, check_last_n, check_prompts
+from trainer.contract.rules import (
+    Limits,
+    check_alt_k,
+    check_last_n,
+    check_prompts,
+    check_target_ids,
+)
 from trainer.contract.specs import ModelInput, SamplingParams
 from trainer.engine.moe_replay_keys import issue_keys
 
@@ -59,7 +66,9 @@ class Versions:
 @dataclass
 class SampleCall:
     """One validated sample call. `steps_per_turn`: its session's `decode_steps_per_turn`;
-    `prompt_logprobs_last_n`: score only each prompt's last N tokens (None: all of them)."""
+    `prompt_logprobs_last_n`: score only each prompt's last N tokens (None: all of them).
+    `sampling_logprobs`, `watch`: `DecodeJob`'s; `target_prompt_ids` (a table per prompt),
+    `prompt_alt_tokens_k`: `prompt_scores.PromptExtras`'."""
 
     prompts: list[list[int]]
     num_samples: int
@@ -71,10 +80,34 @@ class SampleCall:
     return_routed_experts: bool = False
     steps_per_turn: int = 0
     prompt_logprobs_last_n: int | None = None
+    sampling_logprobs: bool = False
+    target_prompt_ids: list[list[list[int]]] | None = None
+    prompt_alt_tokens_k: int = 0
+    watch: SampleWatch | None = None
 
     @property
     def rows(self) -> int:
         return len(self.prompts) * self.num_samples
+
+    @property
+    def prompt_side(self) -> bool:
+        """Whether the call asks anything of its prompts (computed apart from generation)."""
+        return bool(
+            self.prompt_logprobs
+            or self.topk_prompt_logprobs
+            or self.target_prompt_ids is not None
+            or self.prompt_alt_tokens_k
+        )
+
+    def prompt_extras(self, i: int, seed: int | None) -> PromptExtras | None:
+        """Prompt `i`'s target ids and draws, if asked; the draws come from a generator
+        seeded apart from the decode's (`seed`: the call's; None: its own, or drawn)."""
+        targets = None if self.target_prompt_ids is None else self.target_prompt_ids[i]
+        if targets is None and not self.prompt_alt_tokens_k:
+            return None
+        base = draw_seed(self.params.seed if seed is None else seed)
+        generator = torch.Generator().manual_seed((base ^ ALT_SEED_MIX) + i)
+        return PromptExtras(targets, self.prompt_alt_tokens_k, self.params.temperature, generator)
 
     def decode_job(self, seed: int, adapter: str | None = None) -> DecodeJob:
         """The call's rows in a generation (`trainer/compute/sampler.py`)."""
@@ -87,8 +120,13 @@ class SampleCall:
             stop_hit=self.stop_hit,
             adapter=adapter,
             record_routed_experts=self.return_routed_experts,
+            sampling_logprobs=self.sampling_logprobs,
+            watch=self.watch,
         )
 
+
+ALT_SEED_MIX = 0x2545F4914F6CDD1D
+"""Mixed into a call's seed for its prompt-side draws, apart from the decode's stream."""
 
 PromptLogprobs = tuple[list[float | None], list[dict[str, list]]]
 """A prompt's token logprobs and top-k alternatives (`sampler.prompt_logprobs`)."""
@@ -96,10 +134,11 @@ PromptLogprobs = tuple[list[float | None], list[dict[str, list]]]
 
 @dataclass
 class PromptSamples:
-    """One prompt's sequences, and its prompt logprobs when the call asked for them."""
+    """One prompt's sequences, and its prompt logprobs and extras when the call asked."""
 
     sequences: list[Sequence]
     prompt_logprobs: PromptLogprobs | None = None
+    extras: ExtraScores | None = None
 
 
 class SamplingSession(Protocol):
@@ -164,11 +203,18 @@ class Generator(abc.ABC):
         return_routed_experts: bool,
         steps_per_turn: int,
         prompt_logprobs_last_n: int | None = None,
+        sampling_logprobs: bool = False,
+        target_prompt_ids: list[list[list[int]]] | None = None,
+        prompt_alt_tokens_k: int = 0,
+        watch: SampleWatch | None = None,
     ) -> SampleCall:
         """A sample call, validated (INVALID_INPUT naming the field) before any state moves."""
         self.require()
         prompts = self._check_prompts(model_inputs, num_samples, params, topk_prompt_logprobs)
         check_last_n(prompt_logprobs_last_n, [len(p) for p in prompts], prompt_logprobs)
+        check_alt_k(prompt_alt_tokens_k)
+        vocab = self.resource.vocab_size
+        check_target_ids(target_prompt_ids, [len(p) for p in prompts], vocab)
         return SampleCall(
             prompts=prompts,
             num_samples=num_samples,
@@ -180,6 +226,10 @@ class Generator(abc.ABC):
             return_routed_experts=return_routed_experts,
             steps_per_turn=steps_per_turn,
             prompt_logprobs_last_n=prompt_logprobs_last_n,
+            sampling_logprobs=sampling_logprobs,
+            target_prompt_ids=target_prompt_ids,
+            prompt_alt_tokens_k=prompt_alt_tokens_k,
+            watch=watch,
         )
 
     def require(self) -> None:
@@ -260,7 +310,8 @@ def answer(
     session: SamplingSession, call: SampleCall, samples: list[PromptSamples], version: int
 ) -> dict[str, Any]:
     """The sample operation's result: per prompt its sequences (with their routing-replay keys
-    when routes were recorded), the weights version they come from, its prompt logprobs."""
+    when routes were recorded, their sampling and top logprobs when asked), the weights
+    version they come from, its prompt logprobs and extras when asked."""
     results = []
     for prompt, got in zip(call.prompts, samples, strict=True):
         keys = issue_keys(session, prompt, got.sequences)
@@ -272,6 +323,7 @@ def answer(
                     "stop_reason": seq.stop_reason,
                     "prompt_cache_hit_tokens": 0,
                     **({"routed_experts_key": key} if key else {}),
+                    **_asked(call, seq),
                 }
                 for seq, key in zip(got.sequences, keys, strict=True)
             ],
@@ -283,5 +335,23 @@ def answer(
                 result["prompt_logprobs"] = lps
             if call.topk_prompt_logprobs:
                 result["topk_prompt_logprobs"] = top
+        extras = got.extras
+        if extras is not None and extras.target_logprobs is not None:
+            result["target_prompt_logprobs"] = extras.target_logprobs
+        if extras is not None and extras.alt_tokens is not None:
+            result["prompt_alt_tokens"] = {
+                "token_ids": extras.alt_tokens,
+                "logprobs": extras.alt_logprobs,
+            }
         results.append(result)
     return {"results": results}
+
+
+def _asked(call: SampleCall, seq: Sequence) -> dict[str, Any]:
+    """A sequence's sampling and top logprobs, where the call asked for them."""
+    out: dict[str, Any] = {}
+    if call.sampling_logprobs:
+        out["sampling_logprobs"] = seq.sampling_logprobs
+    if call.params.top_logprobs:
+        out["top_logprobs"] = seq.top_logprobs
+    return out

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from trainer.compute import sampler
+from trainer.compute import prompt_scores, sampler
 from trainer.compute.policy import cuda_devices
 from trainer.compute.turns import TurnLock
 from trainer.engine.batching.sample_batch import SampleJob, batcher_for
@@ -70,21 +70,29 @@ class InProcessGenerator(Generator):
                 agree=self._agree_tokens,
                 turns=self._turns(call.steps_per_turn),
             )
-            return self.prompt_samples(call, groups, model)
+            return self.prompt_samples(call, groups, model, seed)
 
     def prompt_samples(
-        self, call: SampleCall, groups: list[list[sampler.Sequence]], model: nn.Module
+        self,
+        call: SampleCall,
+        groups: list[list[sampler.Sequence]],
+        model: nn.Module,
+        seed: int | None = None,
     ) -> list[PromptSamples]:
-        """Each prompt's sequences, with its prompt logprobs computed on `model` (the published
+        """Each prompt's sequences, with its prompt logprobs and extras (target ids, draws
+        seeded from `seed`: `SampleCall.prompt_extras`) computed on `model` (the published
         weights, active) when the call asks for them."""
         forward = self.forward(model)
         samples = []
-        for prompt, group in zip(call.prompts, groups, strict=True):
+        for i, (prompt, group) in enumerate(zip(call.prompts, groups, strict=True)):
             got = PromptSamples(group)
             if call.prompt_logprobs or call.topk_prompt_logprobs:
                 got.prompt_logprobs = sampler.prompt_logprobs(
                     model, prompt, call.topk_prompt_logprobs, forward, call.prompt_logprobs_last_n
                 )
+            extras = call.prompt_extras(i, seed)
+            if extras is not None:
+                got.extras = prompt_scores.prompt_extras(model, prompt, extras, forward)
             samples.append(got)
         return samples
 

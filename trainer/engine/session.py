@@ -45,6 +45,7 @@ from trainer.engine.tracking import worker_run
 
 if TYPE_CHECKING:
     from trainer.compute.placement import Communicator
+    from trainer.compute.sampler import SampleWatch
     from trainer.engine.handle import ResourceHandle
 
 
@@ -355,8 +356,14 @@ class TrainingSession:
         topk_prompt_logprobs: int = 0,
         return_routed_experts: bool = False,
         prompt_logprobs_last_n: int | None = None,
+        sampling_logprobs: bool = False,
+        target_prompt_ids: list[list[list[int]]] | None = None,
+        prompt_alt_tokens_k: int = 0,
+        watch: SampleWatch | None = None,
     ) -> dict[str, Any]:
-        """`prompt_logprobs_last_n`: the Tinker face's; the RL session API never sends it."""
+        """`prompt_logprobs_last_n`: the Tinker face's; the RL session API never sends it.
+        `watch`: a caller's view of the running generation (`sampler.SampleWatch`), never on
+        a wire."""
         call = self.generator.sample_call(
             model_inputs,
             num_samples,
@@ -366,6 +373,10 @@ class TrainingSession:
             return_routed_experts=return_routed_experts,
             steps_per_turn=self.options.decode_steps_per_turn,
             prompt_logprobs_last_n=prompt_logprobs_last_n,
+            sampling_logprobs=sampling_logprobs,
+            target_prompt_ids=target_prompt_ids,
+            prompt_alt_tokens_k=prompt_alt_tokens_k,
+            watch=watch,
         )
         return self.generator.sample(self, call)
 

@@ -7,7 +7,8 @@ every replica — a LoRA session's adapter as a PEFT directory loaded under a ne
 (its name carries the session and the weights version), a full-weight session's weights in
 place (the whole model, so packed q/k/v and gate/up groups always move together). Undoing a
 serve swaps the copy back and pushes it again. What the copy serves besides: prompt
-logprobs (teacher-forced on the published weights, as in-process), and samples that record
+logprobs and the other prompt-side asks (target ids, draws: teacher-forced on the published
+weights, as in-process), and samples that record
 MoE routes (`return_routed_experts`), which run on the in-process loop (this vLLM version
 returns no routed experts), and every sample of a LoRA session whose adapter vLLM refuses for
 this family (an output-head or embedding adapter, say: `train_unembed`), logged and listed in
@@ -16,9 +17,11 @@ this family (an output-head or embedding adapter, say: `train_unembed`), logged 
 A sample holds the resource's lock only to apply a pending publish, draw its seed and compute
 prompt logprobs; the generation itself runs on a replica without it, so training and other
 sessions' samples go on meanwhile, and vLLM batches concurrent samples of any sessions
-(continuous batching: each returns when its own rows are done). A failed generation puts the
-session back as it was (RNG stream, versions, the pending publish). Design notes:
-`docs/design/vllm.md`.
+(continuous batching: each returns when its own rows are done). Per generated token, the top
+k are vLLM's `logprobs=k` (raw logprobs); sampling logprobs only where exact
+(`_check_servable`); a watch is asked before the request and told once at the end. A failed
+generation puts the session back as it was (RNG stream, versions, the pending publish). Design
+notes: `docs/design/vllm.md`.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import torch
 from safetensors.torch import save_file
 
 from trainer.compute import sampler
-from trainer.contract.errors import OperationError
+from trainer.contract.errors import OperationError, invalid
 from trainer.engine.generator import (
     PromptSamples,
     SampleCall,
@@ -176,6 +179,7 @@ class VllmGenerator(InProcessGenerator):
     def sample(self, session: SamplingSession, call: SampleCall) -> dict[str, Any]:
         if call.return_routed_experts or self.in_process:  # (the module docstring)
             return sample_alone(session, call)
+        _check_servable(call)
         rng_before = session.cpu_rng.clone()
         versions_before = replace(session.versions)
         with session.operation_scope() as undo:
@@ -183,7 +187,7 @@ class VllmGenerator(InProcessGenerator):
             seed = sampler.draw_seed(call.params.seed)
             version = session.versions.applied_weights_version
             adapter, finite = self.served, self.finite
-            samples = self._prompt_samples(call)
+            samples = self._prompt_samples(call, seed)
         try:
             if not finite:
                 raise OperationError(
@@ -203,17 +207,23 @@ class VllmGenerator(InProcessGenerator):
                 session.cpu_rng = rng_before
             raise
 
-    def _prompt_samples(self, call: SampleCall) -> list[PromptSamples]:
+    def _prompt_samples(self, call: SampleCall, seed: int) -> list[PromptSamples]:
         groups: list[list[sampler.Sequence]] = [[] for _ in call.prompts]
-        if not (call.prompt_logprobs or call.topk_prompt_logprobs):
+        if not call.prompt_side:
             return [PromptSamples(group) for group in groups]
         with torch.no_grad(), self._resharding(), self.policy.published() as model:
-            return self.prompt_samples(call, groups, model)
+            return self.prompt_samples(call, groups, model, seed)
 
     def _generate(
         self, call: SampleCall, seed: int, adapter: dict[str, Any] | None
     ) -> list[list[sampler.Sequence]]:
         n = call.num_samples
+        watch = call.watch
+        if watch is not None and watch.stopped():  # before the request starts
+            cancelled = sampler.STOP_CANCELLED
+            return [
+                [sampler.Sequence(stop_reason=cancelled) for _ in range(n)] for _ in call.prompts
+            ]
         rows = [
             {"prompt": prompt, "seed": row_seed(seed, i * n + j), "adapter": adapter}
             for i, prompt in enumerate(call.prompts)
@@ -226,6 +236,7 @@ class VllmGenerator(InProcessGenerator):
             "max_tokens": call.params.max_tokens,
             "stop": call.params.stop,  # `sample_call` refused them without a tokenizer
             "stop_token_ids": sorted(call.eos_ids),
+            "top_logprobs": call.params.top_logprobs,
         }
         got = self.pool.generate(rows, params)
         groups: list[list[sampler.Sequence]] = []
@@ -238,12 +249,43 @@ class VllmGenerator(InProcessGenerator):
                         "the session's published weights give non-finite logits",
                     )
                 stopped = row["finish"] == "stop"
-                group.append(
-                    sampler.Sequence(
-                        tokens=list(row["tokens"]),
-                        logprobs=list(row["logprobs"]),
-                        stop_reason=sampler.STOP_STOP if stopped else sampler.STOP_LENGTH,
-                    )
-                )
+                group.append(_sequence(row, call, sampler.STOP_STOP if stopped else None))
             groups.append(group)
+        if watch is not None:
+            watch.step([seq for group in groups for seq in group])  # once, when done
         return groups
+
+
+def _check_servable(call: SampleCall) -> None:
+    """`sampling_logprobs` where vLLM's answer is exact: greedy (0.0) or an untouched
+    distribution (temperature 1, top_p 1, no top_k: the model's own logprob); else refused.
+    `top_logprobs` is vLLM's `logprobs=k` (raw model logprobs, its default mode)."""
+    p = call.params
+    untouched = p.temperature == 1.0 and p.top_p >= 1.0 and p.top_k <= 0
+    if call.sampling_logprobs and not (p.temperature == 0.0 or untouched):
+        raise invalid(
+            "sampling_logprobs",
+            "the vLLM generator returns the drawn-from distribution's logprobs only greedy "
+            "(temperature 0) or at temperature 1 with top_p 1 and no top_k",
+        )
+
+
+def _sequence(row: dict[str, Any], call: SampleCall, stop: str | None) -> sampler.Sequence:
+    """A replica's row as a sequence (`_check_servable`: its sampling logprobs are exact)."""
+    logprobs = [float(lp) for lp in row["logprobs"]]
+    seq = sampler.Sequence(
+        tokens=list(row["tokens"]), logprobs=logprobs, stop_reason=stop or sampler.STOP_LENGTH
+    )
+    if call.sampling_logprobs:
+        greedy = call.params.temperature == 0.0
+        seq.sampling_logprobs = [0.0] * len(logprobs) if greedy else list(logprobs)
+    k = call.params.top_logprobs
+    if k > 0:
+        seq.top_logprobs = [
+            {"token_ids": ids[:k], "logprobs": lps[:k]} for ids, lps in row.get("top") or []
+        ]
+        if len(seq.top_logprobs) != len(seq.tokens):
+            raise OperationError(
+                "INTERNAL_ERROR", "the replica returned no top logprobs for some tokens"
+            )
+    return seq

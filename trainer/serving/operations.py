@@ -83,7 +83,7 @@ class Operation:
     def call(self, body: BaseModel, extra: dict[str, Any] | None = None) -> CountedCall:
         """What the worker queues: the engine session in, the operation's wire JSON out.
         `extra`: engine arguments a face adds that the body does not carry (the Tinker face's
-        adapter export, its `prompt_logprobs_last_n`)."""
+        adapter export, its `prompt_logprobs_last_n`; a sample's `watch`)."""
         args = {**self.args(body), **(extra or {})}
         return CountedCall(
             lambda session: self.wire(lambda: getattr(session, self.method)(**args)),
@@ -141,6 +141,9 @@ OPERATIONS: dict[str, Operation] = {
                 "prompt_logprobs": b.prompt_logprobs,
                 "topk_prompt_logprobs": b.topk_prompt_logprobs,
                 "return_routed_experts": b.return_routed_experts,
+                "sampling_logprobs": b.sampling_logprobs,
+                "target_prompt_ids": b.target_prompt_ids,
+                "prompt_alt_tokens_k": b.prompt_alt_tokens_k,
             },
             check=check_sample,
         ),

@@ -28,6 +28,7 @@ from trainer.contract.rules import (
     check_gradient_count,
     check_prompts,
     check_samples,
+    check_target_ids,
     token_values,
 )
 from trainer.contract.specs import (
@@ -153,6 +154,12 @@ class SampleBody(Spec):
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = Field(default=0, ge=0, le=MAX_TOPK_PROMPT_LOGPROBS)
     return_routed_experts: bool = False
+    # each token's logprob under the distribution it was drawn from (docs/semantics.md)
+    sampling_logprobs: bool = False
+    # per prompt, [len(prompt) - 1, K] ids to score at positions 1.. (-1: none)
+    target_prompt_ids: list[list[list[int]]] | None = None
+    # per prompt position after the first, k draws from the model's distribution there
+    prompt_alt_tokens_k: int = Field(default=0, ge=0, le=MAX_TOPK_PROMPT_LOGPROBS)
 
 
 class EmptyBody(Spec):
@@ -199,6 +206,9 @@ def check_sample(body: SampleBody, entry: ModelEntry, vocab_size: int | None = N
             body.topk_prompt_logprobs,
             Limits.of(entry, vocab_size),
         )
+        if body.target_prompt_ids is not None:
+            lengths = [len(token_values(m)) for m in body.model_inputs]
+            check_target_ids(body.target_prompt_ids, lengths, vocab_size)
 
 
 def check_lora(lora: LoraConfig | None, entry: ModelEntry, lora_enabled: bool) -> None:

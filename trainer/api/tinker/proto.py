@@ -132,6 +132,15 @@ SAMPLE_RESPONSE: Schema = {
     2: Field("prompt_logprobs", "bytes"),
     3: Field("topk_prompt_logprobs", "message", message=TOPK_LOGPROBS),
     4: Field("prompt_cache_hit_tokens", "int32"),
+    5: Field("target_prompt_logprobs", "message", message=TENSOR),
+    6: Field(
+        "prompt_alt_tokens",
+        "message",
+        message={
+            1: Field("tokens", "message", message=TENSOR),
+            2: Field("logprobs", "message", message=TENSOR),
+        },
+    ),
 }
 
 
@@ -424,7 +433,9 @@ def encode_sample_response(resp: Mapping[str, Any]) -> bytes:
 
     `resp` is `{"sequences": [{"tokens", "logprobs" (list or None), "stop_reason": "stop" |
     "length", optional "topk_logprobs"}], "prompt_logprobs" (list with None entries, or None),
-    "topk_prompt_logprobs" (rows of (token, logprob) pairs or None, or None),
+    "topk_prompt_logprobs" (rows of (token, logprob) pairs or None, or None), optional
+    "target_prompt_logprobs" and "prompt_alt_tokens" ({"tokens", "logprobs"}) as `TensorData`
+    objects,
     "prompt_cache_hit_tokens"}`. None prompt logprobs travel as NaN, None top-k rows as
     sentinel rows; sequence ids are not on the wire (the SDK stamps them from the future).
     """
@@ -444,10 +455,34 @@ def encode_sample_response(resp: Mapping[str, Any]) -> bytes:
         )
     prompt_logprobs = resp.get("prompt_logprobs")
     topk_prompt = resp.get("topk_prompt_logprobs")
+    target, alt = resp.get("target_prompt_logprobs"), resp.get("prompt_alt_tokens")
     message = {
         "sequences": sequences,
         "prompt_logprobs": None if prompt_logprobs is None else _float32_bytes(prompt_logprobs),
         "topk_prompt_logprobs": None if topk_prompt is None else _topk(topk_prompt, "prompt"),
         "prompt_cache_hit_tokens": int(resp.get("prompt_cache_hit_tokens", 0)),
+        "target_prompt_logprobs": None if target is None else _tensor_message(target),
+        "prompt_alt_tokens": None
+        if alt is None
+        else {
+            "tokens": _tensor_message(alt["tokens"]),
+            "logprobs": _tensor_message(alt["logprobs"]),
+        },
     }
     return write_message(message, SAMPLE_RESPONSE)
+
+
+def _tensor_message(tensor: Mapping[str, Any]) -> dict[str, Any]:
+    """A `TensorData` object (float32 or int64; dense, or sparse CSR) as a `Tensor` message."""
+    code, little = (DTYPE_INT64, "<i8") if tensor["dtype"] == "int64" else (DTYPE_FLOAT32, "<f4")
+    values = np.asarray(tensor["data"], dtype=little).tobytes()
+    out: dict[str, Any] = {"dtype": code, "shape": list(tensor["shape"])}
+    if tensor.get("sparse_crow_indices") is None:
+        out["dense"] = values
+    else:
+        out["sparse_csr"] = {
+            "values": values,
+            "crow_indices": np.asarray(tensor["sparse_crow_indices"], dtype="<i8").tobytes(),
+            "col_indices": np.asarray(tensor["sparse_col_indices"], dtype="<i8").tobytes(),
+        }
+    return out

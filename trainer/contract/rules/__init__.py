@@ -19,7 +19,7 @@ The rules live in four modules, all imported from here:
 - `limits`: the request shapes the rules read (protocols), a model's `Limits`, a loss's `Needs`;
 - `numbers`: finite floats, token ids in range, the field naming a bad id;
 - `samples`: a forward-backward's samples, their `loss_fn_inputs` and gradients;
-- `prompts`: a sample call's prompts, counts and prompt-logprob options.
+- `prompts`: a sample call's prompts, counts and prompt-side options.
 """
 
 from trainer.contract.rules.limits import (
@@ -39,10 +39,14 @@ from trainer.contract.rules.numbers import (
     token_values,
 )
 from trainer.contract.rules.prompts import (
+    MAX_TARGET_PROMPT_COLUMNS,
     MAX_TOPK_PROMPT_LOGPROBS,
+    check_alt_k,
     check_last_n,
     check_num_samples,
     check_prompts,
+    check_target_ids,
+    check_target_table,
     check_topk,
 )
 from trainer.contract.rules.samples import (
@@ -58,6 +62,7 @@ from trainer.contract.rules.samples import (
 )
 
 __all__ = [
+    "MAX_TARGET_PROMPT_COLUMNS",
     "MAX_TOPK_PROMPT_LOGPROBS",
     "GradientLike",
     "Limits",
@@ -66,6 +71,7 @@ __all__ = [
     "SampleLike",
     "Tensor",
     "Tokens",
+    "check_alt_k",
     "check_conditional",
     "check_count",
     "check_finite",
@@ -81,6 +87,8 @@ __all__ = [
     "check_same_columns",
     "check_samples",
     "check_soft_targets",
+    "check_target_ids",
+    "check_target_table",
     "check_topk",
     "token_field",
     "token_values",

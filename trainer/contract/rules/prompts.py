@@ -1,6 +1,7 @@
 """The rules of a sample call: its prompts and counts (sequences within the batch limit,
 `max_tokens` and every prompt within the context length and the call's token budget, ids in
-range), `topk_prompt_logprobs` and the Tinker face's `prompt_logprobs_last_n`."""
+range), `topk_prompt_logprobs`, the Tinker face's `prompt_logprobs_last_n`, and the ids to
+score at prompt positions (`target_prompt_ids`) and draws per position (`prompt_alt_tokens_k`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from trainer.contract.rules.limits import Limits, Tokens
 from trainer.contract.rules.numbers import check_has_tokens, check_ids, token_field, token_values
 
 MAX_TOPK_PROMPT_LOGPROBS = 20
+MAX_TARGET_PROMPT_COLUMNS = 64
+"""Ids one prompt position may name in `target_prompt_ids` (a row's width)."""
 
 
 def check_num_samples(num_samples: int, field: str = "num_samples") -> None:
@@ -105,3 +108,42 @@ def check_prompts(
             )
         prompts.append([int(t) for t in ids.tolist()])
     return prompts
+
+
+def check_alt_k(k: int, field: str = "prompt_alt_tokens_k") -> None:
+    """Draws per prompt position: bounded like a top-k width."""
+    if not 0 <= k <= MAX_TOPK_PROMPT_LOGPROBS:
+        raise InputError(field, f"must be in [0, {MAX_TOPK_PROMPT_LOGPROBS}]")
+
+
+def check_target_ids(
+    tables: Sequence[Sequence[Sequence[int]]] | None,
+    prompt_lengths: Sequence[int],
+    vocab_size: int | None,
+    field: str = "target_prompt_ids",
+) -> None:
+    """`target_prompt_ids`: None, or one table per prompt (`check_target_table`, `{field}[p]`)."""
+    if tables is None:
+        return
+    if len(tables) != len(prompt_lengths):
+        raise InputError(field, f"has {len(tables)} tables for {len(prompt_lengths)} prompts")
+    for p, (table, length) in enumerate(zip(tables, prompt_lengths, strict=True)):
+        check_target_table(table, length, vocab_size, f"{field}[{p}]")
+
+
+def check_target_table(
+    table: Sequence[Sequence[int]], length: int, vocab_size: int | None, field: str
+) -> None:
+    """One prompt's ids to score: [len(prompt) - 1, K] (row i: position i + 1), 1 <= K <=
+    `MAX_TARGET_PROMPT_COLUMNS`, each id -1 (nothing asked) or in range, at least one asked."""
+    if len(table) != length - 1:
+        raise InputError(
+            field, f"has {len(table)} rows; the prompt needs len(prompt) - 1 = {length - 1}"
+        )
+    widths = {len(row) for row in table}
+    if len(widths) != 1 or not 1 <= min(widths) <= MAX_TARGET_PROMPT_COLUMNS:
+        raise InputError(field, f"rows must all hold the same 1..{MAX_TARGET_PROMPT_COLUMNS} ids")
+    if all(t == -1 for row in table for t in row):
+        raise InputError(field, "names no token id (every cell is -1)")
+    for i, row in enumerate(table):  # -1 read as 0 keeps a bad id's column in its name
+        check_ids([0 if t == -1 else t for t in row], f"{field}[{i}]", vocab_size)

@@ -12,7 +12,8 @@ object per line each way. Requests carry an `id` that their reply repeats:
 - `{"op": "generate", "rows": [{"prompt", "seed", "adapter"}], "params": {...}}`: every row is
   one vLLM request; the reply comes once all rows of this request are done, so a short job
   never waits for a long one (continuous batching). `{"rows": [{"tokens", "logprobs",
-  "finish"}]}`.
+  "finish", "top"}]}` (`top`: with `params.top_logprobs` k, each token's ranked ids and
+  logprobs, the k most likely first; else null).
 - `{"op": "load_adapter", "adapter": {"name", "id", "path"}}` / `{"op": "drop_adapter", "id"}`:
   a PEFT adapter directory in and out of the engine. A row names its adapter the same way, so
   an adapter vLLM evicted from its cache is read again from its path, never missing.
@@ -98,6 +99,13 @@ def _request_amx() -> bool:
         return bool(request_amx())
     except Exception:  # no AMX, or no way to ask: vLLM's kernels then do without it
         return False
+
+
+def _top(position: dict[int, Any]) -> tuple[list[int], list[float]]:
+    """One position's ranked logprobs (the top k, and the chosen token's if it ranks below
+    them), most likely first: ids and logprobs."""
+    ranked = sorted(position.items(), key=lambda item: item[1].rank)
+    return [int(t) for t, _ in ranked], [float(lp.logprob) for _, lp in ranked]
 
 
 class Replica:
@@ -195,7 +203,12 @@ class Replica:
         job_id = message["id"]
         p = message["params"]
         rows = message["rows"]
-        self.jobs[job_id] = {"left": len(rows), "rows": [None] * len(rows), "error": None}
+        self.jobs[job_id] = {
+            "left": len(rows),
+            "rows": [None] * len(rows),
+            "error": None,
+            "top": bool(p.get("top_logprobs")),
+        }
         for r, row in enumerate(rows):
             params = SamplingParams(
                 n=1,
@@ -207,7 +220,7 @@ class Replica:
                 stop=p["stop"] or None,
                 stop_token_ids=p["stop_token_ids"],
                 ignore_eos=True,  # the worker's EOS ids come in stop_token_ids
-                logprobs=0,
+                logprobs=int(p.get("top_logprobs") or 0),  # the chosen token's, plus the top k
                 detokenize=bool(p["stop"]),
                 skip_special_tokens=False,  # stop strings see the text the in-process loop does
             )
@@ -262,6 +275,7 @@ class Replica:
             job["rows"][int(index)] = {
                 "tokens": tokens,
                 "logprobs": logprobs,
+                "top": [_top(lp) for lp in seq.logprobs or []] if job["top"] else None,
                 "finish": seq.finish_reason,
                 "stop_reason": seq.stop_reason if isinstance(seq.stop_reason, int) else None,
             }
