@@ -232,6 +232,14 @@ BREAKS: dict[str, list[tuple[str, Any, str]]] = {
         ("optimizer", "x", "optimizer"),
     ],
     "/unload_model": [("model_id", None, "model_id"), ("model_id", "nope", "model_id")],
+    "/copy_weights": [
+        ("source_path", None, "source_path"),
+        ("source_path", "tinker://nope/weights/x", "source_path"),
+        ("source_path", "/etc/passwd", "source_path"),
+        ("destination_project_id", None, "destination_project_id"),
+        ("ttl_seconds", 60, "ttl_seconds"),
+        ("weights_access_token", "t", "weights_access_token"),
+    ],
     "/create_sampling_session": [
         ("session_id", None, "session_id"),
         ("sampling_session_seq_id", "x", "sampling_session_seq_id"),

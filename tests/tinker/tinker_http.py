@@ -208,6 +208,7 @@ def valid_bodies(
         "/save_weights_external": {"model_id": model, "path": "p", "seq_id": 7},
         "/load_weights": {"model_id": victim, "path": saved, "optimizer": True, "seq_id": 7},
         "/unload_model": {"model_id": victim},
+        "/copy_weights": {"source_path": saved, "destination_project_id": "p"},
         "/create_sampling_session": {
             "session_id": tinker_session,
             "sampling_session_seq_id": 3,

@@ -81,6 +81,8 @@ class Worker:
         self.abandoned: list[str] = []  # ops still running when shutdown gave up on them
         # a user's principal (its quotas) by user id: the API layer's keys (`set by create_app`)
         self.principals: Callable[[str], Principal | None] = lambda user: None
+        # a checkpoint every user may read (the Tinker face's published ones: `install`)
+        self.checkpoint_shared: Callable[[CheckpointRecord], bool] = lambda record: False
 
     @property
     def draining(self) -> bool:
@@ -212,9 +214,18 @@ class Worker:
         return row.owner if row is not None else None
 
     def checkpoint(self, checkpoint_id: str, who: Principal | None, field: str) -> CheckpointRecord:
-        """A checkpoint `who` may see; another user's is missing (the same 404 naming `field`)."""
+        """A checkpoint `who` may read (its own, or a shared one: `checkpoint_shared`); another
+        user's is missing (the same 404 naming `field`)."""
         record = self.checkpoints.get(checkpoint_id)
-        return owned(record, who, "checkpoint", checkpoint_id, field, owner=self.checkpoint_owner)
+        return owned(
+            record,
+            who,
+            "checkpoint",
+            checkpoint_id,
+            field,
+            owner=self.checkpoint_owner,
+            shared=self.checkpoint_shared,
+        )
 
     def live_policy(self, session_id: str) -> tuple[int, dict[str, Any]] | None:
         return self.live.policy(session_id)

@@ -303,7 +303,8 @@ async def checkpoint_file(
     store = worker.checkpoints
     shown = f"{checkpoint_id}/{variant}/{filename}"
     missing = not_found("checkpoint file", shown, "filename")
-    # the user it was issued to still owns the checkpoint (else: missing, the same 404)
+    # the user it was issued to still owns the checkpoint, or it is still shared (published
+    # on the Tinker face); else: missing, the same 404
     owned(
         store.get(checkpoint_id),
         issued_to,
@@ -311,6 +312,7 @@ async def checkpoint_file(
         shown,
         "filename",
         owner=worker.checkpoint_owner,
+        shared=worker.checkpoint_shared,
     )
     try:
         files = await run_in_threadpool(store.variant_files, checkpoint_id, variant, check=False)

@@ -7,7 +7,15 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 
 from trainer.api.auth import ApiKeyAuth
 from trainer.api.keys import KeyRing, Principal
-from trainer.api.tinker import routes, routes_firetitan, routes_runs, routes_train, sampling
+from trainer.api.tinker import (
+    paths,
+    routes,
+    routes_firetitan,
+    routes_publish,
+    routes_runs,
+    routes_train,
+    sampling,
+)
 from trainer.api.tinker.bridge import TinkerBridge
 from trainer.api.tinker.paths import TINKER_ID
 from trainer.serving.errors import ApiError, bad_request
@@ -21,7 +29,6 @@ KEY_PREFIX = "tml-"
 NOT_SERVED_STATUS = 400
 NOT_SERVED = {
     "auth/token": "credentials are the worker's token; no token exchange",
-    "copy_weights": "checkpoints stay on this worker",
     "create_custom_loss": "custom losses run client-side (custom_loss_server_side false)",
     "join_sampling_session": "sample_join_sampling_session is false in client/config",
     "cancel_future": "sample_cancel_enabled is false in client/dynamic_config",
@@ -100,13 +107,6 @@ async def not_served(route: str) -> None:
             code="not_implemented",
             param="route",
         )
-    if route.endswith("/publish"):  # (a checkpoint's /ttl is served: routes_runs)
-        raise ApiError(
-            NOT_SERVED_STATUS,
-            f"route {PREFIX}/{route}: not served by this worker (checkpoints are private to it)",
-            code="not_implemented",
-            param="route",
-        )
     raise ApiError(
         404,
         f"route {PREFIX}/{route}: no such route in the Tinker API this worker serves",
@@ -119,8 +119,11 @@ def install(app: FastAPI, worker: Worker, keys: KeyRing) -> TinkerBridge:
     bridge = TinkerBridge(worker)
     app.state.tinker = bridge
     app.state.tinker_samplers = sampling.SamplerSessions(bridge)
+    # a published checkpoint is every user's to read, on either face (`routes_publish`)
+    worker.checkpoint_shared = lambda record: paths.shares(bridge, record)
     auth = [Depends(TinkerAuth(keys)), Depends(check_tinker_ids)]
-    for module in (routes, routes_train, routes_firetitan, sampling, routes_runs):
+    # routes_publish before routes_runs, whose `{checkpoint_id:path}` would take `.../publish`
+    for module in (routes, routes_train, routes_firetitan, sampling, routes_publish, routes_runs):
         app.include_router(module.router, prefix=PREFIX, dependencies=auth)
     app.include_router(fallback, prefix=PREFIX, dependencies=auth)
     return bridge

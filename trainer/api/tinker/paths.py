@@ -62,16 +62,28 @@ def check_name(name: str, field: str) -> str:
     return name
 
 
-def resolve(bridge: TinkerBridge, path: str, field: str, who: Principal) -> CheckpointRecord:
-    """The engine checkpoint a tinker path names, one `who` may see (404 when it names none,
-    or another user's)."""
+def resolve(
+    bridge: TinkerBridge, path: str, field: str, who: Principal, write: bool = False
+) -> CheckpointRecord:
+    """The engine checkpoint a tinker path names, one `who` may read: its own, or a published
+    one (`routes_publish`); with `write`, its own only. Another user's (unpublished, or any
+    with `write`) is the 404 of a missing one."""
     run_id, kind, name = parse(path, field)
     saved = bridge.db.get(TinkerCheckpoint, path)
     checkpoint_id = saved.checkpoint_id if saved is not None else name
     record = bridge.worker.checkpoints.get(checkpoint_id)
     if record is not None and saved is None and record.session_id != run_id:
         record = None  # an RL-face checkpoint under another run's name names nothing
-    record = owned(record, who, "checkpoint", path, field, owner=bridge.worker.checkpoint_owner)
+    public = not write and saved is not None and saved.public
+    record = owned(
+        record,
+        who,
+        "checkpoint",
+        path,
+        field,
+        owner=bridge.worker.checkpoint_owner,
+        shared=lambda _: public,
+    )
     if record.type != ENGINE_TYPES[kind]:
         raise ApiError(400, f"{field}: {path!r} names a checkpoint of another kind", param=field)
     return record
@@ -84,6 +96,19 @@ def loadable(bridge: TinkerBridge, path: str, field: str, who: Principal) -> Che
     if stored_encrypted(bridge.worker.checkpoints, record.id):
         raise bad_request(f"{field}: {path} {ENCRYPTED_EXPORT}", field)
     return record
+
+
+def published(bridge: TinkerBridge, path: str) -> bool:
+    """Whether the tinker path is a published checkpoint (readable by every user)."""
+    saved = bridge.db.get(TinkerCheckpoint, path)
+    return saved is not None and saved.public
+
+
+def shares(bridge: TinkerBridge, record: CheckpointRecord) -> bool:
+    """Whether an engine checkpoint is readable by every user: one of its tinker paths is
+    published (the worker's `checkpoint_shared`: resumes and signed downloads)."""
+    where = "checkpoint_id = ? AND scope IS NULL AND public = 1"
+    return bridge.db.count(TinkerCheckpoint, where, (record.id,)) > 0
 
 
 def path_of(bridge: TinkerBridge, record: CheckpointRecord) -> str:

@@ -84,6 +84,9 @@ class TinkerCheckpoint:
     # a logical name's row (`names`: path `<account>/run-<32 hex>/<name>`): its name space;
     # None: a `tinker://` path
     scope: str | None = None
+    # published (`routes_publish`): every user of the worker may read it; its owner alone
+    # may change it
+    public: bool = False
 
 
 @dataclass
@@ -108,7 +111,8 @@ _TABLES: dict[type[Any], tuple[str, str]] = {
     TinkerSampler: ("samplers", "id"),
 }
 _CODEC = RowCodec(
-    json=frozenset({"user_metadata", "lora_config", "result"}), bools=frozenset({"frozen"})
+    json=frozenset({"user_metadata", "lora_config", "result"}),
+    bools=frozenset({"frozen", "public"}),
 )
 _ADDED_COLUMNS = (  # a store from before these columns existed gets them
     ("futures", "body_hash", "TEXT"),
@@ -118,6 +122,7 @@ _ADDED_COLUMNS = (  # a store from before these columns existed gets them
     ("models", "frozen", "INTEGER NOT NULL DEFAULT 0"),
     ("models", "scope", "TEXT"),
     ("checkpoints", "scope", "TEXT"),
+    ("checkpoints", "public", "INTEGER NOT NULL DEFAULT 0"),
 )
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (

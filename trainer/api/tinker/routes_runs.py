@@ -51,7 +51,7 @@ def checkpoint_json(bridge: TinkerBridge, record: CheckpointRecord) -> dict[str,
         "time": iso(record.created_at),
         "tinker_path": path,
         "size_bytes": _size(bridge, record),
-        "public": False,
+        "public": saved.public if saved is not None else False,
         "user_metadata": saved.user_metadata if saved is not None else None,
         "expires_at": iso(saved.expires_at) if saved is not None else None,
     }
@@ -126,7 +126,11 @@ def _session_base_model(bridge: TinkerBridge, row: SessionRow) -> str:
     from trainer.serving.catalogue import ResourceRow
 
     resource = bridge.worker.store.get(ResourceRow, row.resource_id)
-    return str(resource.spec.get("base_model")) if resource is not None else ""
+    if resource is not None:
+        return str(resource.spec.get("base_model"))
+    # a run with no resource (a copy's, `routes_publish`): its checkpoints' base model
+    held = bridge.worker.checkpoints.list(session_id=row.id, limit=1)
+    return held[0].base_model if held else ""
 
 
 def _page(limit: int, offset: int) -> None:
@@ -203,12 +207,16 @@ async def list_user_checkpoints(
     return await run_in_threadpool(collect)
 
 
-def _record(
-    bridge: TinkerBridge, run_id: str, checkpoint_id: str, who: Principal
+def checkpoint_record(
+    bridge: TinkerBridge, run_id: str, checkpoint_id: str, who: Principal, write: bool = False
 ) -> CheckpointRecord:
-    check_run(bridge, run_id, who)
+    """The checkpoint a run's route names: for a read, `who`'s own or a published one; for a
+    `write` (delete, TTL, publish), `who`'s own only. Otherwise the 404 of a missing run or
+    checkpoint, the same for "not there" and "not yours"."""
     path = f"{paths.PREFIX}{run_id}/{checkpoint_id}"
-    return paths.resolve(bridge, path, "checkpoint_id", who)
+    if write or not paths.published(bridge, path):
+        check_run(bridge, run_id, who)
+    return paths.resolve(bridge, path, "checkpoint_id", who, write=write)
 
 
 @router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
@@ -220,7 +228,7 @@ async def external_weights_urls(
     Tinker's naming, `.age` when encrypted; a sampler checkpoint's in PEFT's)."""
     bridge = bridge_of(request)
     who = principal_of(request)
-    record = await run_in_threadpool(_record, bridge, run_id, checkpoint_id, who)
+    record = await run_in_threadpool(checkpoint_record, bridge, run_id, checkpoint_id, who)
     if record.type != INFERENCE:
         raise bad_request(
             f"checkpoint_id: {checkpoint_id} is a training checkpoint (weights and optimizer "
@@ -253,7 +261,8 @@ async def set_checkpoint_ttl(request: Request, run_id: str, checkpoint_id: str) 
     as `expires_at`, as a save's `ttl_seconds` is (nothing is deleted when it passes)."""
     body: CheckpointTtl = await parse(request, CheckpointTtl)
     bridge = bridge_of(request)
-    record = await run_in_threadpool(_record, bridge, run_id, checkpoint_id, principal_of(request))
+    who = principal_of(request)
+    record = await run_in_threadpool(checkpoint_record, bridge, run_id, checkpoint_id, who, True)
     path = f"{paths.PREFIX}{run_id}/{checkpoint_id}"
     if bridge.db.get(TinkerCheckpoint, path) is None:
         raise bad_request(
@@ -271,7 +280,8 @@ async def delete_checkpoint(request: Request, run_id: str, checkpoint_id: str) -
     session API may still resume from it), except an encrypted export: nothing on the worker
     can read it, so its files go too."""
     bridge = bridge_of(request)
-    record = await run_in_threadpool(_record, bridge, run_id, checkpoint_id, principal_of(request))
+    who = principal_of(request)
+    record = await run_in_threadpool(checkpoint_record, bridge, run_id, checkpoint_id, who, True)
     path = f"{paths.PREFIX}{run_id}/{checkpoint_id}"
     if bridge.db.get(TinkerCheckpoint, path) is None:
         raise bad_request(
