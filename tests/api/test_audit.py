@@ -77,11 +77,20 @@ AUDITED = {
     ),
     ("PUT", "/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl"),
     ("DELETE", "/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id:path}"),
+    ("POST", "/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish"),
+    ("DELETE", "/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish"),
+    ("POST", "/api/v1/copy_weights"),
     # the Fireworks control plane (a job's own Tinker routes are audited as /api/v1/...)
     ("POST", "/v1/accounts/{account}/rlorTrainerJobs"),
     ("DELETE", "/v1/accounts/{account}/rlorTrainerJobs/{job_id}"),
     ("POST", "/v1/accounts/{account}/rlorTrainerJobs/{job_id}:resume"),
     ("POST", "/v1/accounts/{account}/checkpoints/{checkpoint}:promote"),
+    ("POST", "/v1/accounts/{account}/deployments"),
+    ("PATCH", "/v1/accounts/{account}/deployments/{deployment_id}"),
+    ("DELETE", "/v1/accounts/{account}/deployments/{deployment_id}"),
+    ("POST", "/hot_load/v1/models/hot_load"),
+    ("POST", "/inference/v1/completions"),
+    ("POST", "/v1/completions"),
 }
 
 

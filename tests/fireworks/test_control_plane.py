@@ -228,6 +228,11 @@ WALKED = [
     ("GET", "/v1/accounts/{a}/trainingShapes/{j}/versions/{j}"),
     ("GET", "/training/v1/rlorTrainerJobs/{a}/{j}/api/v1/healthz"),
     ("POST", "/training/v1/rlorTrainerJobs/{a}/{j}/api/v1/create_model"),
+    ("GET", "/v1/accounts/{a}/deployments/{j}"),
+    ("PATCH", "/v1/accounts/{a}/deployments/{j}"),
+    ("DELETE", "/v1/accounts/{a}/deployments/{j}"),
+    ("GET", "/v1/accounts/{a}/deployments"),
+    ("POST", "/v1/accounts/{a}/deployments"),
 ]
 NO_OBJECT = {"/v1/accounts"}  # the caller's own account, whatever the key
 
@@ -240,7 +245,14 @@ def test_every_route_of_the_face_is_walked(live: LiveServer) -> None:
         if not path.startswith("/v1/accounts") or path in NO_OBJECT:
             continue
         shape = path
-        for name in ("{job_id}", "{model}", "{checkpoint}", "{shape}", "{version}"):
+        for name in (
+            "{job_id}",
+            "{model}",
+            "{checkpoint}",
+            "{shape}",
+            "{version}",
+            "{deployment_id}",
+        ):
             shape = shape.replace(name, "*")
         assert shape in walked, path
 

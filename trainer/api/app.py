@@ -68,6 +68,8 @@ STREAMED_POSTS = (
     "/api/v1/forward_backward",
     "/api/v1/asample",
     "/api/v1/optim_step",
+    "/inference/v1/completions",  # trainer/api/fireworks/completions.py reads its own body
+    "/v1/completions",
 )
 
 

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from fastapi import Depends, FastAPI
 
-from trainer.api.fireworks import routes_catalog, routes_jobs
+from trainer.api.fireworks import (
+    completion_targets,
+    completions,
+    hotload,
+    routes_catalog,
+    routes_deployments,
+    routes_jobs,
+)
 from trainer.api.fireworks.auth import FireworksAuth
 from trainer.api.fireworks.service import FireworksFace
 from trainer.api.keys import KeyRing
@@ -21,4 +28,9 @@ def install(app: FastAPI, worker: Worker, keys: KeyRing, bridge: TinkerBridge) -
     auth = [Depends(FireworksAuth(keys))]
     app.include_router(routes_jobs.router, dependencies=auth)
     app.include_router(routes_catalog.router, dependencies=auth)
+    # `model` of a completion: checkpoints, promoted and base models (`completion_targets`)
+    completion_targets.register(face, bridge, app.state.tinker_samplers)
+    app.include_router(completions.router, dependencies=auth)
+    app.include_router(routes_deployments.router, dependencies=auth)
+    app.include_router(hotload.router, dependencies=auth)  # /hot_load/v1/models/hot_load
     return face

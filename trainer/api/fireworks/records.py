@@ -1,5 +1,5 @@
 """The Fireworks face's records, in `<storage>/fireworks.sqlite`: trainer jobs, the model
-resources each job has held, and the models promoted from their checkpoints.
+resources each job has held, the models promoted from their checkpoints, and deployments.
 
 The engine's records (resources, sessions, checkpoints) stay in the worker's stores; these map
 Fireworks names onto them. A restart keeps every row: a job whose resource the restart unloaded
@@ -54,13 +54,30 @@ class PromotedModel:
     display_name: str | None = None
 
 
-Record = TypeVar("Record", JobRecord, HeldResource, PromotedModel)
+@dataclass
+class DeploymentRecord:
+    account: str
+    id: str
+    base_model: str  # as the client named it
+    entry: str  # the catalogue entry it generates with
+    state: str  # CREATING, READY or FAILED (`deployments`)
+    created_at: float
+    updated_at: float
+    body: dict[str, Any] = field(default_factory=dict)  # the create body, patched since
+    status: dict[str, Any] | None = None  # {code, message} of a failure
+    identity: str | None = None  # the snapshot it serves (last hot-loaded); None: the base
+    checkpoint_id: str | None = None  # the engine checkpoint of `identity`
+    lora: bool = False  # whether that checkpoint is a LoRA adapter
+
+
+Record = TypeVar("Record", JobRecord, HeldResource, PromotedModel, DeploymentRecord)
 _TABLES: dict[type[Any], str] = {
     JobRecord: "jobs",
     HeldResource: "held",
     PromotedModel: "models",
+    DeploymentRecord: "deployments",
 }
-_CODEC = RowCodec(json=frozenset({"body", "status"}), bools=frozenset({"forward_only"}))
+_CODEC = RowCodec(json=frozenset({"body", "status"}), bools=frozenset({"forward_only", "lora"}))
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     account TEXT NOT NULL, id TEXT NOT NULL, base_model TEXT, lora_rank INTEGER,
@@ -74,6 +91,10 @@ CREATE TABLE IF NOT EXISTS models (
     account TEXT NOT NULL, id TEXT NOT NULL, checkpoint_id TEXT, checkpoint_name TEXT,
     job_id TEXT, base_model TEXT, lora_rank INTEGER, created_at REAL, display_name TEXT,
     PRIMARY KEY (account, id));
+CREATE TABLE IF NOT EXISTS deployments (
+    account TEXT NOT NULL, id TEXT NOT NULL, base_model TEXT, entry TEXT, state TEXT,
+    created_at REAL, updated_at REAL, body TEXT, status TEXT, identity TEXT,
+    checkpoint_id TEXT, lora INTEGER, PRIMARY KEY (account, id));
 """
 
 
@@ -109,6 +130,25 @@ class FireworksRecords:
         with self._lock:
             self._db.execute("DELETE FROM jobs WHERE account = ? AND id = ?", (account, job_id))
             self._db.execute("DELETE FROM held WHERE account = ? AND job_id = ?", (account, job_id))
+
+    def update_deployment(self, account: str, deployment_id: str, **changes: Any) -> None:
+        values = [_CODEC.encode(k, v) for k, v in changes.items()]
+        with self._lock:
+            self._db.execute(
+                f"UPDATE deployments SET {', '.join(f'{k} = ?' for k in changes)} "
+                "WHERE account = ? AND id = ?",
+                [*values, account, deployment_id],
+            )
+
+    def delete_deployment(self, account: str, deployment_id: str) -> None:
+        with self._lock:
+            self._db.execute(
+                "DELETE FROM deployments WHERE account = ? AND id = ?", (account, deployment_id)
+            )
+
+    def deployment(self, account: str, deployment_id: str) -> DeploymentRecord | None:
+        found = self.select(DeploymentRecord, "account = ? AND id = ?", (account, deployment_id))
+        return found[0] if found else None
 
     def select(
         self, cls: type[Record], where: str = "1", params: tuple[Any, ...] = (), tail: str = ""
