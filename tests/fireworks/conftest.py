@@ -21,6 +21,7 @@ import pytest
 
 from tests.api.conftest import TOKEN, LiveServer, serve_in_thread
 from tests.cached_venv import run_json
+from tests.fireworks.cookbook_venv import cookbook_dir, cookbook_python
 from tests.fireworks.venv import VERSIONS, fireworks_python
 from tests.tinker.conftest import build_served_model
 
@@ -60,6 +61,23 @@ def fw_server(
     storage = tmp_path_factory.mktemp("fireworks-storage")
     with serve_in_thread(storage, fw_models) as live:
         yield live
+
+
+@pytest.fixture(scope="session")
+def cookbook() -> Path:
+    where = cookbook_dir()
+    if where is None:
+        pytest.skip(
+            "the Fireworks training cookbook is not here: set FW_COOKBOOK_DIR to a checkout of "
+            "fw-ai/cookbook (the directory holding training/), or FW_COOKBOOK_MIRROR to a git "
+            "mirror of it (default /work/.mirror/fw-ai+cookbook/repo)"
+        )
+    return where
+
+
+@pytest.fixture(scope="session")
+def cookbook_py(cookbook: Path) -> Path:
+    return cookbook_python()
 
 
 def fw_env(server: LiveServer, api_key: str = TOKEN, **extra: str) -> dict[str, str]:

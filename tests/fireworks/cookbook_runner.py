@@ -1,5 +1,5 @@
-"""Run one phase of the Fireworks training cookbook's `sft_loop` or `dpo_loop`, unchanged,
-against the worker at `FIREWORKS_BASE_URL`.
+"""Run one phase of the Fireworks training cookbook's `sft_loop`, `dpo_loop` or `rl_loop`,
+unchanged, against the worker at `FIREWORKS_BASE_URL`.
 
 Executed by the cookbook venv's python (`tests/fireworks/cookbook_venv.py`) with the exported
 cookbook tree on `sys.path` (it imports as `training`). Nothing of the cookbook is replaced: the
@@ -12,7 +12,10 @@ Usage: python cookbook_runner.py SPEC_JSON
 
 SPEC_JSON keys:
 - cookbook: the directory holding `training/`;
-- recipe: `sft` or `dpo`;
+- recipe: `sft`, `dpo` or `rl` (GRPO: a deployment hot-loaded after every step, sampled
+  through the completions route; its rows ask a question whose `ground_truth` is one of the
+  tokenizer's `<answer>N</answer>` tokens, so a near-uniform tiny model earns a reward now and
+  then and its groups get non-zero advantages);
 - workdir: the run's directory; `log_path` is `workdir/logs` in every phase, so a resumed phase
   finds the first one's `dataloader.json`;
 - tokenizer, base_model, lora_rank, learning_rate, epochs, max_seq_len, and
@@ -58,6 +61,20 @@ def sft_data(workdir: Path) -> tuple[str, str]:
     train = write_jsonl(workdir / "sft.jsonl", [{"messages": chat(ANSWER)}] * ROWS)
     evaluation = write_jsonl(workdir / "sft_eval.jsonl", [{"messages": chat(ANSWER)}] * 2)
     return train, evaluation
+
+
+RL_ANSWER = "<answer>5</answer>"
+
+
+def rl_data(workdir: Path) -> str:
+    """GRPO rows: a user turn and the recipe's `ground_truth`."""
+    row = {"messages": [{"role": "user", "content": QUESTION}], "ground_truth": RL_ANSWER}
+    return write_jsonl(workdir / "rl.jsonl", [row] * spec_rows(workdir))
+
+
+def spec_rows(workdir: Path) -> int:
+    marker = workdir / "rl_rows"
+    return int(marker.read_text()) if marker.exists() else ROWS
 
 
 def dpo_data(workdir: Path) -> str:
@@ -138,6 +155,9 @@ def build_config(spec: dict[str, Any], workdir: Path) -> Any:
             dataset=train, evaluation_dataset=evaluation, trainer=trainer, **common
         )
 
+    if spec["recipe"] == "rl":
+        return rl_config(spec, workdir, common)
+
     from training.recipes import dpo_loop as recipe  # type: ignore[no-redef]
 
     keep = bool(spec.get("keep_reference"))
@@ -152,6 +172,35 @@ def build_config(spec: dict[str, Any], workdir: Path) -> Any:
         trainer=trainer,
         release_reference_after_cache=not keep,
         **common,
+    )
+
+
+def rl_config(spec: dict[str, Any], workdir: Path, common: dict[str, Any]) -> Any:
+    """`rl_loop.Config` with its defaults but what a local run must say: the data, the
+    tokenizer directory and renderer, a deployment shape (any string: the managed flow
+    refuses a deployment without one), short completions, and the metrics ledger."""
+    import os
+
+    from training.recipes import rl_loop as recipe
+    from training.utils import DeployConfig
+
+    os.environ["COOKBOOK_METRICS_FILE"] = common["runner"].metrics_file
+    (workdir / "rl_rows").write_text(str(spec.get("rows", ROWS)))
+    deployment = DeployConfig(
+        deployment_shape="accounts/local/deploymentShapes/tiny",
+        tokenizer_model=spec["tokenizer"],
+    )
+    return recipe, recipe.Config(
+        log_path=common["log_path"],
+        base_model=spec["base_model"],
+        dataset=rl_data(workdir),
+        learning_rate=spec["learning_rate"],
+        max_completion_tokens=spec.get("max_completion_tokens", 12),
+        epochs=spec["epochs"],
+        max_seq_len=spec["max_seq_len"],
+        lora_rank=spec["lora_rank"],
+        renderer_name="qwen3_instruct",
+        deployment=deployment,
     )
 
 

@@ -29,7 +29,6 @@ import pytest
 
 from tests.api.conftest import LiveServer
 from tests.fireworks.conftest import QWEN, fw_env
-from tests.fireworks.cookbook_venv import cookbook_dir, cookbook_python
 
 pytestmark = pytest.mark.fireworks
 
@@ -40,23 +39,6 @@ MAX_SEQ_LEN = 64
 RESUMABLE = ("TRAINING", "TRAINING_LORA")  # training/utils/checkpoints.py
 LORA_RANK = 4
 MODES = [pytest.param(LORA_RANK, id="lora"), pytest.param(0, id="full")]
-
-
-@pytest.fixture(scope="module")
-def cookbook() -> Path:
-    where = cookbook_dir()
-    if where is None:
-        pytest.skip(
-            "the Fireworks training cookbook is not here: set FW_COOKBOOK_DIR to a checkout of "
-            "fw-ai/cookbook (the directory holding training/), or FW_COOKBOOK_MIRROR to a git "
-            "mirror of it (default /work/.mirror/fw-ai+cookbook/repo)"
-        )
-    return where
-
-
-@pytest.fixture(scope="module")
-def cookbook_py(cookbook: Path) -> Path:
-    return cookbook_python()
 
 
 def run_phase(

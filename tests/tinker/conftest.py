@@ -58,15 +58,17 @@ WORDS = [
 VOCAB = [*SPECIAL, *BOXED, *WORDS]  # id = index; <|endoftext|> = 0 (pad), <|im_end|> = 1 (eos)
 
 
-def build_tokenizer(out_dir: Path) -> Path:
-    """A word-level HF tokenizer over `VOCAB`, saved to `out_dir` (loads with AutoTokenizer)."""
+def build_tokenizer(out_dir: Path, extra: tuple[str, ...] = ()) -> Path:
+    """A word-level HF tokenizer over `VOCAB` and then `extra` (more tokens decoded as they are
+    written), saved to `out_dir` (loads with AutoTokenizer)."""
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token="[UNK]"))
+    vocab = [*VOCAB, *extra]
+    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in BOXED])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in (*BOXED, *extra)])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         unk_token="[UNK]",
@@ -74,7 +76,7 @@ def build_tokenizer(out_dir: Path) -> Path:
         eos_token="<|im_end|>",
         clean_up_tokenization_spaces=False,
     )
-    assert len(tokenizer) == len(VOCAB), (len(tokenizer), len(VOCAB))
+    assert len(tokenizer) == len(vocab), (len(tokenizer), len(vocab))
     tokenizer.save_pretrained(out_dir)
     return out_dir
 
@@ -86,16 +88,18 @@ def build_served_model(
     tokenizer_dir: Path,
     arch: str = "qwen3",
     positions: int = 512,
+    extra: tuple[str, ...] = (),
 ) -> Path:
     """A tiny Qwen3 (tied head), Llama (untied) or Qwen3.5 (a Gated DeltaNet hybrid, as the
     real Qwen3.5 is) with the tokenizer's vocabulary; the tokenizer saved to `tokenizer_dir`
     (the model's own directory, or another one that the catalogue entry names)."""
-    build_tokenizer(tokenizer_dir)
+    build_tokenizer(tokenizer_dir, extra)
     if arch == "qwen3_5":
+        assert not extra, "the hybrid keeps the plain vocabulary"
         return _save_hybrid(out_dir, scale, seed, positions)
     spec = TinySpec(
         arch="llama" if arch == "llama" else "qwen3",
-        vocab=len(VOCAB),
+        vocab=len(VOCAB) + len(extra),
         tied=arch == "qwen3",
         bos=None,
         eos=1,

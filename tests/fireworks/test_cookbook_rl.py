@@ -1,0 +1,96 @@
+"""The Fireworks training cookbook's GRPO recipe, `recipes/rl_loop.py`, unchanged, against the
+worker: a trainer job, a deployment hot-loaded with the policy's sampler weights before the
+first rollout and after every step, rollouts sampled through the token-in completions route,
+a base-model reference for the KL term (LoRA: `base_only` on the policy's job; full weights: a
+second, forward-only job), the client-side GRPO loss, and the final checkpoint.
+
+The served model here is near uniform (weights at init scale) over a vocabulary with two answer
+tokens, `<answer>5</answer>` (the rows' ground truth) and `<answer>3</answer>`: a completion's
+first answer token is the right one about half the time, so the recipe's groups of 4 have
+non-zero reward variance and steps train. Its defaults hold otherwise (`kl_beta` 0.001,
+`router_replay` on, which the recipe turns off itself for a dense model after asking the
+control plane).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.api.conftest import LiveServer, serve_in_thread
+from tests.fireworks.test_cookbook import LORA_RANK, finite, run_phase, series
+from tests.tinker.conftest import build_served_model
+
+pytestmark = pytest.mark.fireworks
+
+RL_MODEL = "accounts/fireworks/models/qwen3-uniform"
+ANSWERS = ("<answer>5</answer>", "<answer>3</answer>")
+ROWS = 4  # one prompt group a step: up to 4 steps
+
+
+@pytest.fixture(scope="module")
+def rl_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    where = tmp_path_factory.mktemp("rl-model")
+    return build_served_model(where, scale=1.0, seed=3, tokenizer_dir=where, extra=ANSWERS)
+
+
+@pytest.fixture(scope="module")
+def rl_server(rl_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    storage = tmp_path_factory.mktemp("rl-storage")
+    with serve_in_thread(storage, {RL_MODEL: rl_model}) as live:
+        yield live
+
+
+def calls_to(report: dict[str, Any], pattern: str) -> list[str]:
+    return [call for call in report["calls"] if re.search(pattern, call)]
+
+
+MODES = [pytest.param(LORA_RANK, id="lora"), pytest.param(0, id="full")]
+
+
+@pytest.mark.parametrize("lora_rank", MODES)
+def test_rl_loop_runs_to_completion(
+    cookbook_py: Path,
+    cookbook: Path,
+    rl_server: LiveServer,
+    rl_model: Path,
+    tmp_path: Path,
+    lora_rank: int,
+) -> None:
+    report = run_phase(
+        cookbook_py,
+        rl_server,
+        cookbook,
+        rl_model,
+        tmp_path / "rl",
+        recipe="rl",
+        phase="first",
+        base_model=RL_MODEL,
+        lora_rank=lora_rank,
+        learning_rate=1e-3 if lora_rank else 1e-4,
+        epochs=1,
+        max_seq_len=96,
+        rows=ROWS,
+        max_completion_tokens=40,
+    )
+    result = report["result"]
+    steps = result["steps"]
+    assert 1 <= steps <= ROWS, result
+    assert result["deployment_id"], result
+    # the recipe's own ledger: a finite reward and KL per trained step
+    trained = [m for m in report["metrics"] if "train/step" in m and m["train/step"] > 0]
+    assert [m["train/step"] for m in trained] == list(range(1, steps + 1)), report["metrics"]
+    assert finite(series(trained, "rollout/reward")) or finite(
+        series(trained, "rollout/filtered_reward")
+    ), trained
+    # hot-loaded before the first rollout and after every step; every rollout sampled through
+    # the completions route, on the deployment
+    hotloads = calls_to(report, r"^POST \S+/hot_load/v1/models/hot_load \S+ 200")
+    assert len(hotloads) == steps + 1, report["calls"][-30:]
+    completions = calls_to(report, r"^POST \S+/inference/v1/completions \S+ 200")
+    assert len(completions) >= 4 * steps, report["calls"][-30:]
+    assert not calls_to(report, r" 5\d\d"), calls_to(report, r" 5\d\d")
