@@ -22,6 +22,7 @@ from tests.api.conftest import LiveServer, serve_in_thread
 from tests.api.team_helpers import write_keys
 from tests.fireworks.conftest import LLAMA, QWEN
 from tests.tinker import tinker_http as th
+from trainer.api.fireworks import completions
 from trainer.api.keys import KeyRing
 from trainer.api.tinker.records import TinkerCheckpoint
 
@@ -225,8 +226,9 @@ def assembled(chunks: list[dict[str, Any] | str], n: int = 1) -> list[dict[str, 
 
 @pytest.mark.parametrize("base", [QWEN, LLAMA])
 def test_stream_carries_what_the_whole_answer_does(
-    live: LiveServer, checkpoints: dict[str, str], base: str
+    live: LiveServer, checkpoints: dict[str, str], base: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(completions, "FLUSH_S", 0.0)  # a chunk per decode step
     path = checkpoints[base]
     body = {"model": path, "prompt": PROMPT, "logprobs": True, "raw_output": True}
     body.update(SAMPLED, max_tokens=12, perf_metrics_in_response=True)

@@ -52,6 +52,8 @@ router = APIRouter()
 WATCHED = "watch" in inspect.signature(TrainingSession.sample).parameters
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 POLL_S = 0.25  # how often a waiting stream checks that its client is still there
+FLUSH_S = 0.02  # a stream writes at most one chunk this often (the first at once); the decode
+# loop never waits for it: what it made meanwhile goes out in the next chunk
 
 
 class Watch:
@@ -297,10 +299,11 @@ async def _stream(
         if echoed:
             echo = [{"index": i, "text": echo_text, "finish_reason": None} for i in range(rows)]
             yield _sse({**head, "choices": echo})
-        event = first
-        while event[0] == "step":
+        event: tuple[str, Any] | None = first
+        while event is not None and event[0] == "step":
+            fresh, event = _coalesced(event[1], queue)
             deltas = []
-            for i, new in enumerate(event[1][:rows]):
+            for i, new in enumerate(fresh[:rows]):
                 made[i].extend(new)
                 text = echo_text + tokens.text(made[i])
                 if new and text.startswith(sent[i]) and not text.endswith("\ufffd"):
@@ -308,7 +311,13 @@ async def _stream(
                     sent[i] = text
             if deltas:
                 yield _sse({**head, "choices": deltas})
-            event = await _next(request, watch, queue)
+            if event is None:
+                flushed = time.monotonic()
+                event = await _next(request, watch, queue)
+                wait = FLUSH_S - (time.monotonic() - flushed)
+                if event[0] == "step" and wait > 0:
+                    await asyncio.sleep(wait)  # then `_coalesced` takes what came meanwhile
+        assert event is not None
         done: asyncio.Future[dict[str, Any]] = event[1]
         error = done.exception()
         if error is not None:
@@ -330,6 +339,21 @@ async def _stream(
         yield "data: [DONE]\n\n"
     finally:
         watch.cancel.set()  # a no-op once the generation is over
+
+
+def _coalesced(
+    new: list[list[int]], queue: asyncio.Queue[tuple[str, Any]]
+) -> tuple[list[list[int]], tuple[str, Any] | None]:
+    """`new` with the steps already queued behind it, row by row (one chunk for what the
+    decode loop made while the last one was written), and the event after them, if queued."""
+    merged = [list(row) for row in new]
+    while not queue.empty():
+        event = queue.get_nowait()
+        if event[0] != "step":
+            return merged, event
+        for row, more in zip(merged, event[1], strict=True):
+            row.extend(more)
+    return merged, None
 
 
 async def _next(
