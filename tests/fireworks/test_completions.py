@@ -8,7 +8,9 @@ streamed and not.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -345,3 +347,48 @@ def test_stops_and_finish_reasons(
         (short,) = complete(http, **{**body, "max_tokens": 2})["choices"]
         assert short["raw_output"]["completion_token_ids"] == tokens[:2]
         assert short["finish_reason"] == ("stop" if tokens[1] == eos else "length")
+
+
+def test_concurrent_completions_merge_into_one_call(
+    live: LiveServer,
+    checkpoints: dict[str, str],
+    references: dict[str, Reference],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Eight unseeded `n: 1` completions sent at once (the SDK's way of asking for a group),
+    three prompts among them: the first runs while the others wait, and those run as one
+    engine call; every row's logprobs are still the reference's, and a seeded one sent with
+    them runs alone and draws exactly what `asample` draws at its seed."""
+    path, ref = checkpoints[QWEN], references[QWEN]
+    sizes: list[int] = []
+    real = completions._sample
+
+    def counted(worker: Any, members: list[Any]) -> dict[str, Any]:
+        sizes.append(len(members))
+        if len(sizes) == 1:
+            time.sleep(1.0)  # the others arrive meanwhile and wait together
+        return real(worker, members)
+
+    monkeypatch.setattr(completions, "_sample", counted)
+    prompts = [PROMPT, PROMPT[:4], PROMPT[1:]]
+    body = {"model": path, "max_tokens": 10, "logprobs": True, "raw_output": True}
+
+    def one(i: int) -> dict[str, Any]:
+        with inference(live, "alice") as http:
+            if i == 8:
+                return complete(http, **{**body, **SAMPLED}, prompt=PROMPT)
+            return complete(http, **body, prompt=prompts[i % 3], temperature=1.0)
+
+    with ThreadPoolExecutor(9) as pool:
+        outs = list(pool.map(one, range(9)))
+    assert sum(sizes) == 9 and max(sizes) > 1, sizes
+    for i, out in enumerate(outs[:8]):
+        (choice,) = out["choices"]
+        prompt, tokens = prompts[i % 3], choice["raw_output"]["completion_token_ids"]
+        assert choice["raw_output"]["prompt_token_ids"] == prompt
+        logprobs = ref.logprobs(prompt + tokens)
+        for j, (token, row) in enumerate(zip(tokens, choice["logprobs"]["content"], strict=True)):
+            assert abs(row["logprob"] - logprobs[len(prompt) - 1 + j, token].item()) <= TOL
+    with tinker(live, "alice") as http:
+        (expected,) = asample(http, path, 1, **SAMPLED)
+    assert outs[8]["choices"][0]["raw_output"]["completion_token_ids"] == expected

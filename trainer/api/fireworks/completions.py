@@ -28,6 +28,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from trainer.api.fireworks.auth import principal_of
+from trainer.api.fireworks.completion_batch import FanOut, Merger
 from trainer.api.fireworks.completions_wire import (
     CompletionRequest,
     Tokens,
@@ -41,6 +42,8 @@ from trainer.api.fireworks.completions_wire import (
 from trainer.api.fireworks.targets import Target
 from trainer.api.http import json_object
 from trainer.api.tinker.bridge import RequestFailed, TinkerBridge
+from trainer.contract.rules import Limits
+from trainer.contract.specs import ModelEntry
 from trainer.engine.session import TrainingSession
 from trainer.serving.catalogue import OP_COMPLETED
 from trainer.serving.errors import ApiError, bad_request
@@ -90,6 +93,11 @@ class Prepared:
     prompt: list[int]
     call: EngineCall
     tokens: Tokens
+    body: dict[str, Any]  # the engine body `call` was validated from
+    entry: ModelEntry
+    vocab: int | None
+    watch: Watch
+    merge_key: str | None  # completions of one key run as one call (completion_batch.py)
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.monotonic)
@@ -106,7 +114,7 @@ def tokenizer_of(worker: Worker, base_model: str) -> Any:
 
 
 def _prepare(
-    bridge: TinkerBridge, req: CompletionRequest, target: Target, watch: Watch
+    bridge: TinkerBridge, req: CompletionRequest, target: Target, watch: Watch, user: str
 ) -> Prepared:
     worker = bridge.worker
     entry = bridge.entry(target.base_model, "model")
@@ -132,7 +140,11 @@ def _prepare(
         )
     except ApiError as exc:
         raise wire_error(exc) from None
-    return Prepared(req, target, prompt, call, Tokens(tokenizer))
+    key = None
+    if req.seed is None:  # a seeded request's draws are its seed's alone
+        settings = {k: v for k, v in body.items() if k != "model_inputs"}
+        key = json.dumps([target.session_id, user, settings], sort_keys=True)
+    return Prepared(req, target, prompt, call, Tokens(tokenizer), body, entry, vocab, watch, key)
 
 
 def _engine_error(error: dict[str, Any]) -> ApiError:
@@ -152,27 +164,54 @@ def _engine_error(error: dict[str, Any]) -> ApiError:
     return ApiError(500, f"{code}: {message}", code="internal_error")
 
 
-def _run(worker: Worker, ready: Prepared) -> dict[str, Any]:
-    """Queue the sample on the target's session, wait for it; its (one prompt's) result.
-    The target is released once the operation has ended, whatever its outcome."""
+def _run(worker: Worker, merger: Merger, ready: Prepared) -> dict[str, Any]:
+    """Queue the sample on the target's session (with the completions it merges with), wait
+    for it; its prompt's result. The target is released once the operation has ended,
+    whatever its outcome."""
     try:
-        session_id = ready.target.session_id
-        key = f"completions:{ready.id}"
-        row = worker.submit(session_id, "sample", key, key, ready.call)
-        done = worker.oplog.futures.get(row.id)
-        if done is not None:
-            done.result()
-        row = worker.find_operation(session_id, "sample", row.id)
-        if row.status != OP_COMPLETED:
-            raise _engine_error(row.error or {})
-        output = dict(row.output or {})
-        payload_id = output.pop("payload_id", None)
-        if payload_id is not None:
-            output.update(worker.payloads.read_json(session_id, payload_id))
-        result: dict[str, Any] = output["results"][0]
-        return result
+        return merger.run(ready.merge_key, ready, lambda ms: _sample(worker, ms), _fits)
     finally:
         ready.target.release()
+
+
+def _fits(members: list[Prepared]) -> bool:
+    """Whether these completions' prompts make one sample call within the model's limits
+    (its rows and its tokens per call, as the rulebook counts them)."""
+    first = members[0]
+    limits = Limits.of(first.entry, vocab_size=first.vocab)
+    n, max_tokens = first.req.n, first.req.max_tokens
+    if len(members) * n > limits.max_batch_size:
+        return False
+    budget = limits.max_tokens_per_call
+    return budget is None or n * sum(len(m.prompt) + max_tokens for m in members) <= budget
+
+
+def _sample(worker: Worker, members: list[Prepared]) -> dict[str, Any]:
+    """One sample operation of the members' prompts, in order: its output."""
+    first = members[0]
+    call = first.call
+    if len(members) > 1:
+        body = {**first.body, "model_inputs": [m.body["model_inputs"][0] for m in members]}
+        watch = FanOut([m.watch for m in members], first.req.n)
+        extra = {"watch": watch} if WATCHED else None
+        tokenizer_known = first.tokens.tokenizer is not None
+        call = validated_call(
+            OPERATIONS["sample"], body, first.entry, None, first.vocab, extra, tokenizer_known
+        )
+    session_id = first.target.session_id
+    key = f"completions:{first.id}"
+    row = worker.submit(session_id, "sample", key, key, call)
+    done = worker.oplog.futures.get(row.id)
+    if done is not None:
+        done.result()
+    row = worker.find_operation(session_id, "sample", row.id)
+    if row.status != OP_COMPLETED:
+        raise _engine_error(row.error or {})
+    output = dict(row.output or {})
+    payload_id = output.pop("payload_id", None)
+    if payload_id is not None:
+        output.update(worker.payloads.read_json(session_id, payload_id))
+    return output
 
 
 def _usage(ready: Prepared, group: dict[str, Any]) -> dict[str, int]:
@@ -239,6 +278,7 @@ async def completions(request: Request) -> Response:
     started = time.monotonic()  # the server's time counts from here (`perf_metrics`)
     bridge: TinkerBridge = request.app.state.tinker
     targets = request.app.state.fireworks.targets
+    merger: Merger = request.app.state.fireworks.merger
     who = principal_of(request)
     raw = await json_object(request, bridge.worker.config.max_body_bytes)
     req = parse_request(raw)
@@ -255,16 +295,16 @@ async def completions(request: Request) -> Response:
     except RequestFailed as exc:
         raise ApiError(503, f"model: {exc.message}", param="model", code="unavailable") from None
     try:
-        ready = await run_in_threadpool(_prepare, bridge, req, target, watch)
+        ready = await run_in_threadpool(_prepare, bridge, req, target, watch, who.user)
     except BaseException:
         target.release()
         raise
     ready.started = started
     if not req.stream:
-        group = await run_in_threadpool(_run, bridge.worker, ready)
+        group = await run_in_threadpool(_run, bridge.worker, merger, ready)
         return JSONResponse(_answer(ready, group, watch), headers=headers)
 
-    task = asyncio.ensure_future(run_in_threadpool(_run, bridge.worker, ready))
+    task = asyncio.ensure_future(run_in_threadpool(_run, bridge.worker, merger, ready))
     task.add_done_callback(lambda t: queue.put_nowait(("done", t)))
     task.add_done_callback(_seen)  # a stream closed early never reads its outcome
     first = await queue.get()

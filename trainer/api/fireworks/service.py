@@ -4,6 +4,7 @@ completion models, one per app (`app.state.fireworks`)."""
 from __future__ import annotations
 
 from trainer.api.fireworks.catalog import Catalog
+from trainer.api.fireworks.completion_batch import Merger
 from trainer.api.fireworks.deployments import DeploymentService
 from trainer.api.fireworks.jobs import JobService
 from trainer.api.fireworks.records import FireworksRecords
@@ -22,6 +23,7 @@ class FireworksFace:
         self.bridge = bridge
         self.deployments = DeploymentService(worker, self.records, bridge)
         self.targets = Targets()  # completions' `model` -> engine session (`targets.py`)
+        self.merger = Merger()  # concurrent completions of a target, one call (completion_batch)
         self.targets.register(self.deployments.resolve)  # accounts/<a>/deployments/<d>
         self.deployments.restore()  # READY again, re-hot-loaded in the background
 
