@@ -36,6 +36,10 @@ _ADAPTERS: dict[Callable[..., Any], dict[str, TypeAdapter[Any]]] = {}
 
 # the session methods every rank runs (the operations a client queues)
 SESSION_METHODS = frozenset(TrainingSession.OPERATIONS)
+# arguments of rank 0's caller that no other rank can have: a sharded session drops them (a
+# sample's `watch`: its stream arrives whole and a client that leaves does not stop it, since
+# every rank must run the same decode steps)
+LOCAL_ONLY = frozenset({"watch"})
 
 
 def _adapters(method: Callable[..., Any]) -> dict[str, TypeAdapter[Any]]:
@@ -44,7 +48,9 @@ def _adapters(method: Callable[..., Any]) -> dict[str, TypeAdapter[Any]]:
     adapters = _ADAPTERS.get(func)
     if adapters is None:
         hints = get_type_hints(func)
-        names = [n for n in inspect.signature(func).parameters if n != "self"]
+        names = [
+            n for n in inspect.signature(func).parameters if n != "self" and n not in LOCAL_ONLY
+        ]
         adapters = {n: TypeAdapter(hints.get(n, Any)) for n in names}
         _ADAPTERS[func] = adapters
     return adapters
@@ -261,6 +267,8 @@ class DistributedSession:
     def _forward(self, op: str, *args: Any, **kwargs: Any) -> Any:
         """Run the session method `op` on every rank; rank 0's result. A call that may share
         a pass goes with other sessions' concurrent calls (`batching.py`)."""
+        for name in LOCAL_ONLY:
+            kwargs.pop(name, None)
         encoded = encode_args(getattr(self.local, op), *args, **kwargs)
         if self._batcher is not None and self._batcher.wants(self.local, op):
             window = self.local.options.merge_window_ms

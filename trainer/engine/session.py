@@ -22,6 +22,7 @@ from trainer.compute.batch import MicroBatch, PreparedSample, check_rules, prepa
 from trainer.compute.losses import LossInputs, LossOutputs, custom_loss, pick_loss
 from trainer.compute.muon import MuonWithAdamW, muon_step, new_muon
 from trainer.compute.policy import Policy, cuda_devices
+from trainer.compute.sampler import SampleWatch  # at run time: spmd reads the signature
 from trainer.contract.errors import OperationError
 from trainer.contract.muon_params import MuonParams
 from trainer.contract.optimizer import optimizer_kind
@@ -45,7 +46,6 @@ from trainer.engine.tracking import worker_run
 
 if TYPE_CHECKING:
     from trainer.compute.placement import Communicator
-    from trainer.compute.sampler import SampleWatch
     from trainer.engine.handle import ResourceHandle
 
 
