@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from tests.fireworks.conftest import LLAMA, QWEN
 from tests.fireworks.test_control_plane import KEYS, error, write_keys
 from tests.fireworks.test_data_plane import close
 from tests.fireworks.test_deployments_sdk import HOT_LOAD, deployment_logprobs, save
+from tests.tinker import tinker_http as th
 from trainer.api.fireworks import hotload
 from trainer.api.tinker.records import TinkerCheckpoint
 from trainer.serving.errors import ApiError
@@ -377,3 +379,56 @@ def test_deployments_come_back_after_a_restart(
         asleep = a.get("/v1/accounts/alice/deployments/asleep").json()
         assert asleep["state"] == "READY" and asleep["replicaCount"] == 0
         assert status(a, "alice", "asleep").json() == {"replicas": []}
+
+
+def poisoned_snapshot(live: LiveServer, user: str) -> str:
+    """A LoRA sampler checkpoint of `user` whose logits are NaN, made with nothing but API
+    calls (`tests/tinker/test_nan_neighbour.py`'s way: one step whose decoupled weight decay
+    is 1e37 leaves every adapter weight finite but about 1e36): its tinker path."""
+    base = f"{live.url}{th.PREFIX}"
+    with httpx.Client(base_url=base, headers={"X-API-Key": KEYS[user]}, timeout=120) as http:
+        session = th.new_session(http)
+        lora = {"rank": 2, "seed": 0}
+        body = {"session_id": session, "model_seq_id": 0, "base_model": QWEN, "lora_config": lora}
+        model_id = th.ok(http, "/create_model", body)["model_id"]
+        data = {"data": [th.datum([3, 17, 22, 9, 27])], "loss_fn": "cross_entropy"}
+        th.ok(http, "/forward_backward", {"model_id": model_id, "forward_backward_input": data})
+        poison = {"learning_rate": 1.0, "weight_decay": 1e37}
+        th.ok(http, "/optim_step", {"model_id": model_id, "adam_params": poison})
+        saved = th.ok(http, "/save_weights_for_sampler", {"model_id": model_id, "path": "nan"})
+    path: str = saved["path"]
+    return path
+
+
+def test_a_nan_neighbour_deployment_fails_alone(
+    live: LiveServer, snapshots: dict[str, dict[str, Any]]
+) -> None:
+    """bob's deployment serves weights whose logits are NaN; his completions fail (422 naming
+    `model`) while alice's, sent at the same time on the same base model, answer exactly what
+    they answer alone."""
+    a, b = client(live, "alice"), client(live, "bob")
+    assert create(a, "alice", "calm").status_code == 200
+    assert create(b, "bob", "wild").status_code == 200
+    assert hot_load(a, "alice", "calm", snapshots["a1"]["identity"]).status_code == 200
+    assert hot_load(b, "bob", "wild", poisoned_snapshot(live, "bob")).status_code == 200
+    assert settled(a, "alice", "calm")["loading_state"]["stage"] == "done"
+    assert settled(b, "bob", "wild")["loading_state"]["stage"] == "done"
+    body = {"prompt": [3, 17, 22, 9], "max_tokens": 8, "temperature": 1.0, "logprobs": True}
+    calm = {**body, "model": "accounts/alice/deployments/calm", "seed": 5}
+    wild = {**body, "model": "accounts/bob/deployments/wild"}
+    alone = a.post("/inference/v1/completions", json=calm)
+    assert alone.status_code == 200, alone.text
+
+    def send(i: int) -> httpx.Response:
+        with client(live, "bob" if i % 2 else "alice") as c:
+            return c.post("/inference/v1/completions", json=wild if i % 2 else calm)
+
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(send, range(6)))
+    for i, r in enumerate(answers):
+        if i % 2:
+            assert r.status_code == 422 and error(r)["param"] == "model", r.text
+        else:
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"] == alone.json()["choices"]
+    assert status(a, "alice", "calm").json()["replicas"][0]["readiness"] is True
