@@ -175,6 +175,7 @@ def test_published_is_everyones_to_read_and_its_owners_to_change(
     info = bob.post("/weights_info", json={"tinker_path": state})
     assert info.status_code == 200 and info.json()["lora_rank"] == 2
     assert sample(bob, sampler) == alice_tokens
+    bobs_sampler = sampler_for(bob, sampler).json()["sampling_session_id"]
     assert download(bob, sampler) == before
     session = th.new_session(bob)
     load = {"session_id": session, "model_seq_id": 0, "path": state}
@@ -203,6 +204,10 @@ def test_published_is_everyones_to_read_and_its_owners_to_change(
     assert all(httpx.get(url).status_code == 404 for url in urls.values())
     assert bob.post("/weights_info", json={"tinker_path": state}).status_code == 404
     assert sampler_for(bob, sampler).status_code == 404
+    # the sampling session bob made while it was public samples it no more
+    body = {"sampling_session_id": bobs_sampler, "prompt": PROMPT, "num_samples": 1}
+    late = bob.post("/asample", json={**body, "sampling_params": {"max_tokens": 2}})
+    assert late.status_code == 404 and "sampling_session_id" in late.text, late.text
     assert bob.get(route(sampler, "/external_weights_urls")).status_code == 404
     assert listed(alice)[sampler]["public"] is False
     assert alice.post("/weights_info", json={"tinker_path": state}).status_code == 200

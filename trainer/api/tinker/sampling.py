@@ -210,6 +210,17 @@ def find_sampler(
     return owned(found, who, what, sampler_id, field, owner=lambda s: sampler_owner(bridge, s))
 
 
+def still_readable(bridge: TinkerBridge, sampler: TinkerSampler, who: Principal) -> None:
+    """A sampler of another user's checkpoint samples it while `who` may still read it: once
+    its owner unpublishes it (docs/semantics.md §16.1), the sampler answers as the checkpoint
+    does, the 404 of a missing one."""
+    if not sampler.checkpoint_id or not sampler.model_path:
+        return
+    record = bridge.worker.checkpoints.get(sampler.checkpoint_id)
+    if record is not None and bridge.worker.checkpoint_owner(record) != who.user:
+        paths.loadable(bridge, sampler.model_path, "sampling_session_id", who)
+
+
 def adhoc_id(who: Principal, target: str) -> str:
     """The id of an ad-hoc sampling target (`model_path` or `base_model` in the request): its
     user's own, so two users sampling the same target share no sampler, future or key."""
@@ -300,6 +311,7 @@ async def asample(request: Request) -> dict[str, Any]:
     if sampler_id is not None:
         field = "sampling_session_id"
         sampler = find_sampler(bridge, str(sampler_id), who, "sampling session", field)
+        await run_in_threadpool(still_readable, bridge, sampler, who)
     elif req.get("model_path") or req.get("base_model"):
         path, base = req.get("model_path"), req.get("base_model")
         for name, value in (("model_path", path), ("base_model", base)):
