@@ -18,12 +18,10 @@ from trainer.compute import moe_replay
 from trainer.compute.multilora import Segment, segmented
 from trainer.compute.prompt_scores import prompt_logprobs
 from trainer.contract.errors import OperationError
+from trainer.contract.specs import STOP_CANCELLED as STOP_CANCELLED  # the stop reasons, here
+from trainer.contract.specs import STOP_LENGTH as STOP_LENGTH  # for the decode loop's users
+from trainer.contract.specs import STOP_STOP as STOP_STOP
 from trainer.contract.specs import SamplingParams
-
-STOP_LENGTH = "STOP_REASON_LENGTH"
-STOP_STOP = "STOP_REASON_STOP"
-STOP_CANCELLED = "STOP_REASON_CANCELLED"
-"""A row whose job's `SampleWatch` said stop; only callers that pass a watch ever see it."""
 
 StopCheck = Callable[[list[int]], bool]
 """Whether a row's tokens so far end in a stop (a stop string)."""

@@ -186,6 +186,13 @@ class LoraConfig(Spec):
     train_unembed: bool = True
 
 
+# Why a sampled sequence ended: EOS or a stop (STOP), `max_tokens` (LENGTH), or its caller's
+# watch said stop (CANCELLED: a completions client that left; `trainer/compute/sampler.py`).
+STOP_LENGTH = "STOP_REASON_LENGTH"
+STOP_STOP = "STOP_REASON_STOP"
+STOP_CANCELLED = "STOP_REASON_CANCELLED"
+
+
 class SamplingParams(Spec):
     max_tokens: int = Field(default=100, ge=1)
     temperature: Annotated[float, AfterValidator(check_temperature)] = Field(

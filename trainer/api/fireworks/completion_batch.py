@@ -23,8 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.compute.sampler import Sequence
-
 Run = Callable[[list[Any]], dict[str, Any]]
 """Run one engine sample call of these members' prompts, in order: the operation's output."""
 
@@ -39,7 +37,7 @@ class FanOut:
     def stopped(self) -> bool:
         return all(w.stopped() for w in self.watches)
 
-    def step(self, sequences: list[Sequence]) -> None:
+    def step(self, sequences: list[Any]) -> None:
         for i, watch in enumerate(self.watches):
             if not watch.stopped():
                 watch.step(sequences[i * self.rows : (i + 1) * self.rows])

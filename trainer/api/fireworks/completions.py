@@ -13,7 +13,6 @@ the stream ends the generation at the next decode step.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import re
 import threading
@@ -44,7 +43,6 @@ from trainer.api.http import json_object
 from trainer.api.tinker.bridge import RequestFailed, TinkerBridge
 from trainer.contract.rules import Limits
 from trainer.contract.specs import ModelEntry
-from trainer.engine.session import TrainingSession
 from trainer.serving.catalogue import OP_COMPLETED
 from trainer.serving.errors import ApiError, bad_request
 from trainer.serving.operations import OPERATIONS, validated_call, vocab_size_of
@@ -52,7 +50,6 @@ from trainer.serving.tenants import is_quota_refusal
 from trainer.serving.worker import EngineCall, Worker
 
 router = APIRouter()
-WATCHED = "watch" in inspect.signature(TrainingSession.sample).parameters
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 POLL_S = 0.25  # how often a waiting stream checks that its client is still there
 FLUSH_S = 0.02  # a stream writes at most one chunk this often (the first at once); the decode
@@ -131,7 +128,7 @@ def _prepare(
             f"context length {entry.max_seq_length} of {entry.name}",
             "max_tokens",
         )
-    extra = {"watch": watch} if WATCHED else None
+    extra = {"watch": watch}
     vocab = vocab_size_of(worker, target.base_model)
     body = engine_body(req, prompt)
     try:
@@ -193,7 +190,7 @@ def _sample(worker: Worker, members: list[Prepared]) -> dict[str, Any]:
     if len(members) > 1:
         body = {**first.body, "model_inputs": [m.body["model_inputs"][0] for m in members]}
         watch = FanOut([m.watch for m in members], first.req.n)
-        extra = {"watch": watch} if WATCHED else None
+        extra = {"watch": watch}
         tokenizer_known = first.tokens.tokenizer is not None
         call = validated_call(
             OPERATIONS["sample"], body, first.entry, None, first.vocab, extra, tokenizer_known

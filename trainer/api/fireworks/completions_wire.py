@@ -6,10 +6,10 @@ sequences, in the shapes the Fireworks SDK's `DeploymentSampler` reads (docs/sem
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from trainer.compute.sampler import STOP_CANCELLED, STOP_STOP
+from trainer.contract.specs import STOP_CANCELLED, STOP_STOP
 from trainer.serving.errors import ApiError, bad_request
 
 MAX_TOP_LOGPROBS = 20
@@ -29,27 +29,6 @@ NEUTRAL = {
     "include_routing_matrix": False,
 }
 """Accepted at the value that leaves sampling as it is; any other value is a 400 naming it."""
-
-FIELDS = {
-    "model",
-    "prompt",
-    "n",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop",
-    "logprobs",
-    "top_logprobs",
-    "echo",
-    "echo_last",
-    "raw_output",
-    "stream",
-    "perf_metrics_in_response",
-    *IGNORED,
-    *NEUTRAL,
-}
 
 
 def extra_field(name: str) -> ApiError:
@@ -89,6 +68,12 @@ class CompletionRequest:
         if self.echo_last is not None:
             return min(self.echo_last, prompt_len)
         return prompt_len if self.echo else 0
+
+
+# The request's fields: the request's own, by the wire's names (where the two differ: the stop
+# ids come in `stop`, `perf_metrics` is `perf_metrics_in_response`), then the accepted ones.
+FIELDS = {f.name for f in fields(CompletionRequest)} - {"stop_token_ids", "perf_metrics"}
+FIELDS |= {"perf_metrics_in_response", *IGNORED, *NEUTRAL}
 
 
 def _bool(req: dict[str, Any], name: str, default: bool = False) -> bool:
