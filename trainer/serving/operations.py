@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 from trainer.contract.losses import LOSS_SPECS
 from trainer.contract.specs import ModelEntry, chunk_datums
 from trainer.engine.session import TrainingSession
-from trainer.serving.catalogue import ResourceRow
+from trainer.serving.catalogue import OP_COMPLETED, ResourceRow
 from trainer.serving.checkpoint_errors import save_checkpoint
 from trainer.serving.errors import bad_request, from_pydantic
 from trainer.serving.requests import (
@@ -176,16 +176,28 @@ def vocab_size_of(worker: Worker, base_model: str) -> int | None:
 _ABSENT = object()
 
 
-def has_tokenizer(worker: Worker, base_model: str) -> bool | None:
-    """Whether the model a loaded resource serves for `base_model` has a tokenizer; None while
-    none has loaded (the engine then checks what needs one)."""
+def _tokenizer(worker: Worker, base_model: str) -> Any:
+    """The tokenizer of the model a loaded resource serves for `base_model` (None: it has
+    none); `_ABSENT` while none has loaded."""
     with worker.resources.lock:
         lives = list(worker.resources.live.values())
     for live in lives:
         if live.entry.name == base_model and live.engine is not None:
-            tokenizer = getattr(live.engine, "tokenizer", _ABSENT)
-            return None if tokenizer is _ABSENT else tokenizer is not None
-    return None
+            return getattr(live.engine, "tokenizer", _ABSENT)
+    return _ABSENT
+
+
+def has_tokenizer(worker: Worker, base_model: str) -> bool | None:
+    """Whether the model a loaded resource serves for `base_model` has a tokenizer; None while
+    none has loaded (the engine then checks what needs one)."""
+    tokenizer = _tokenizer(worker, base_model)
+    return None if tokenizer is _ABSENT else tokenizer is not None
+
+
+def tokenizer_of(worker: Worker, base_model: str) -> Any:
+    """The tokenizer itself (None: the model has none, or none has loaded yet)."""
+    tokenizer = _tokenizer(worker, base_model)
+    return None if tokenizer is _ABSENT else tokenizer
 
 
 def _check_stop_strings(body: Any, entry: ModelEntry, tokenizer: bool | None) -> None:
@@ -267,3 +279,22 @@ def prepare_call(
         entry = entry.model_copy(update={"max_batch_size": chunk_datums(entry.max_batch_size)})
     vocab, tokenizer = vocab_size_of(worker, entry.name), has_tokenizer(worker, entry.name)
     return validated_call(spec, body, entry, config, vocab, extra, tokenizer)
+
+
+def run_to_end(
+    worker: Worker, session_id: str, kind: str, key: str, body_hash: str, call: EngineCall
+) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """Queue `call` on the session now and wait for it to end (blocking): its error (None when
+    it completed) and its whole output, an offloaded payload read back."""
+    row = worker.submit(session_id, kind, key, body_hash, call)
+    done = worker.oplog.futures.get(row.id)
+    if done is not None:
+        done.result()
+    row = worker.find_operation(session_id, kind, row.id)
+    if row.status != OP_COMPLETED:
+        return row.error or {}, {}
+    output = dict(row.output or {})
+    payload_id = output.pop("payload_id", None)
+    if payload_id is not None:
+        output.update(worker.payloads.read_json(session_id, payload_id))
+    return None, output

@@ -43,9 +43,14 @@ from trainer.api.http import json_object
 from trainer.api.tinker.bridge import RequestFailed, TinkerBridge
 from trainer.contract.rules import Limits
 from trainer.contract.specs import ModelEntry
-from trainer.serving.catalogue import OP_COMPLETED
 from trainer.serving.errors import ApiError, bad_request
-from trainer.serving.operations import OPERATIONS, validated_call, vocab_size_of
+from trainer.serving.operations import (
+    OPERATIONS,
+    run_to_end,
+    tokenizer_of,
+    validated_call,
+    vocab_size_of,
+)
 from trainer.serving.tenants import is_quota_refusal
 from trainer.serving.worker import EngineCall, Worker
 
@@ -98,16 +103,6 @@ class Prepared:
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.monotonic)
-
-
-def tokenizer_of(worker: Worker, base_model: str) -> Any:
-    """The tokenizer of a loaded resource of `base_model` (a target's session runs on one)."""
-    with worker.resources.lock:
-        lives = list(worker.resources.live.values())
-    for live in lives:
-        if live.entry.name == base_model and live.engine is not None:
-            return getattr(live.engine, "tokenizer", None)
-    return None
 
 
 def _prepare(
@@ -197,17 +192,9 @@ def _sample(worker: Worker, members: list[Prepared]) -> dict[str, Any]:
         )
     session_id = first.target.session_id
     key = f"completions:{first.id}"
-    row = worker.submit(session_id, "sample", key, key, call)
-    done = worker.oplog.futures.get(row.id)
-    if done is not None:
-        done.result()
-    row = worker.find_operation(session_id, "sample", row.id)
-    if row.status != OP_COMPLETED:
-        raise _engine_error(row.error or {})
-    output = dict(row.output or {})
-    payload_id = output.pop("payload_id", None)
-    if payload_id is not None:
-        output.update(worker.payloads.read_json(session_id, payload_id))
+    error, output = run_to_end(worker, session_id, "sample", key, key, call)
+    if error is not None:
+        raise _engine_error(error)
     return output
 
 

@@ -46,12 +46,11 @@ from trainer.api.tinker.waiters import Waiters
 from trainer.contract.errors import OperationError
 from trainer.contract.specs import ModelEntry, ResourceSpec
 from trainer.serving.catalogue import (
-    OP_COMPLETED,
     RES_READY,
     SES_RUNNING,
 )
 from trainer.serving.errors import ApiError, bad_request, is_disk_full
-from trainer.serving.operations import OPERATIONS, prepare_call
+from trainer.serving.operations import OPERATIONS, prepare_call, run_to_end
 from trainer.serving.requests import CreateSessionBody
 from trainer.serving.tenants import Principal, is_quota_refusal
 from trainer.serving.worker import EngineCall, Worker
@@ -421,21 +420,12 @@ class TinkerBridge:
         session_id = model if isinstance(model, str) else self.current_session(model.id)
         if not isinstance(model, str):
             self._touch(model.id)
-        row = self.worker.submit(session_id, kind, f"tinker:{key}", key, call)
-        done = self.worker.oplog.futures.get(row.id)
-        if done is not None:
-            done.result()
-        row = self.worker.find_operation(session_id, kind, row.id)
-        if row.status != OP_COMPLETED:
-            error = row.error or {}
+        error, output = run_to_end(self.worker, session_id, kind, f"tinker:{key}", key, call)
+        if error is not None:
             code = str(error.get("code", "")).removeprefix("TRAINING_OPERATION_ERROR_CODE_")
             category = category_of(code, str(error.get("message", "")))
             message = tinker_names(kind, str(error.get("message", "failed")))
             raise RequestFailed(f"{code}: {message}", category)
-        output = dict(row.output or {})
-        payload_id = output.pop("payload_id", None)
-        if payload_id is not None:
-            output.update(self.worker.payloads.read_json(session_id, payload_id))
         return output
 
     def _touch(self, model_id: str) -> None:
