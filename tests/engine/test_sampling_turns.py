@@ -428,11 +428,11 @@ def test_a_failed_batch_fails_every_sample_in_it_and_leaves_each_session_as_it_w
     """An error mid-generation (injected into the token choice after 20 draws): all three
     samples fail with it; each session keeps its RNG stream, weights, versions and pending
     publish. The same samples then succeed as one batch."""
-    from trainer.compute import sampler
+    from trainer.compute import draws
 
     resource, sessions = _jobs_resource(tiny_qwen_dir, tmp_path, batch=True)
     before = [(_state(s), s.versions.as_dict()) for s in sessions]
-    real = sampler._choose
+    real = draws._choose
     calls = [0]
 
     def fail_late(*args: Any) -> Any:  # an error mid-generation, after some draws
@@ -441,14 +441,14 @@ def test_a_failed_batch_fails_every_sample_in_it_and_leaves_each_session_as_it_w
             raise RuntimeError("injected failure")
         return real(*args)
 
-    monkeypatch.setattr(sampler, "_choose", fail_late)
+    monkeypatch.setattr(draws, "_choose", fail_late)
     errors = _concurrently(sessions)
     assert all(isinstance(e, RuntimeError) and "injected" in str(e) for e in errors), errors
     for session, (state, versions) in zip(sessions, before, strict=True):
         _assert_same_state(_state(session), state)
         assert session.versions.as_dict() == versions  # the pending publish still pending
     assert before[0][1]["pending_publish"]
-    monkeypatch.setattr(sampler, "_choose", real)
+    monkeypatch.setattr(draws, "_choose", real)
     again = _concurrently(sessions)  # and the same samples then succeed, as one batch
     assert resource.sample_batcher.batches == 1
     assert all(isinstance(result, dict) for result in again), again

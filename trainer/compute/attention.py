@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -96,6 +99,23 @@ def _band(n: int, window: int | None, device: torch.device) -> torch.Tensor | No
     return (distance >= 0) & (distance < window)
 
 
+_known = threading.local()
+
+
+@contextlib.contextmanager
+def padded_masks(padded: bool = True) -> Iterator[None]:
+    """While active on this thread (with `padded`), the padding masks the model is given are
+    known to pad some row (the decode loop's left-padded rows, `trainer/compute/sampler.py`):
+    SDPA's mask is built without first asking the device whether it pads nothing
+    (`padding_mask.all()` in transformers, a host sync per forward). The mask is the same."""
+    before = getattr(_known, "padded", False)
+    _known.padded = padded
+    try:
+        yield
+    finally:
+        _known.padded = before
+
+
 def _packed_mask(**kwargs: Any) -> torch.Tensor | None:
     """No mask for packed rows (the kernel splits them and applies windows); SDPA's own mask
     (the layer's causal, sliding or chunked one) whenever there is a padding mask to honour
@@ -105,6 +125,8 @@ def _packed_mask(**kwargs: Any) -> torch.Tensor | None:
     )
     if kwargs.get("attention_mask") is None and fresh:
         return None
+    if kwargs.get("attention_mask") is not None and getattr(_known, "padded", False):
+        kwargs["allow_is_causal_skip"] = False  # it pads a row: never skippable (`padded_masks`)
     from transformers.masking_utils import sdpa_mask
 
     return sdpa_mask(**kwargs)
