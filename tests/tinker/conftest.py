@@ -90,17 +90,18 @@ def build_served_model(
     positions: int = 512,
     extra: tuple[str, ...] = (),
 ) -> Path:
-    """A tiny Qwen3 (tied head), Llama (untied) or Qwen3.5 (a Gated DeltaNet hybrid, as the
-    real Qwen3.5 is) with the tokenizer's vocabulary; the tokenizer saved to `tokenizer_dir`
-    (the model's own directory, or another one that the catalogue entry names)."""
+    """A tiny Qwen3 (tied head), Llama (untied), Qwen3-MoE (tied; 4 experts, top-2) or Qwen3.5
+    (a Gated DeltaNet hybrid, as the real Qwen3.5 is) with the tokenizer's vocabulary; the
+    tokenizer saved to `tokenizer_dir` (the model's own directory, or another one that the
+    catalogue entry names)."""
     build_tokenizer(tokenizer_dir, extra)
     if arch == "qwen3_5":
         assert not extra, "the hybrid keeps the plain vocabulary"
         return _save_hybrid(out_dir, scale, seed, positions)
     spec = TinySpec(
-        arch="llama" if arch == "llama" else "qwen3",
+        arch="llama" if arch == "llama" else "qwen3_moe" if arch == "qwen3_moe" else "qwen3",
         vocab=len(VOCAB) + len(extra),
-        tied=arch == "qwen3",
+        tied=arch != "llama",
         bos=None,
         eos=1,
         pad=0,

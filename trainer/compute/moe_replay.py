@@ -33,6 +33,13 @@ def routing_shape(model: nn.Module) -> tuple[int, int] | None:
     return len(found), int(top_k)
 
 
+def expert_count(model: nn.Module) -> int:
+    """How many experts each router chooses from (0: a dense model)."""
+    found = routers(model)
+    weight: Any = found[0].weight if found else None
+    return 0 if weight is None else int(weight.shape[0])
+
+
 # -- recording -------------------------------------------------------------------------------
 
 
@@ -165,6 +172,8 @@ def _forced_forward(router: nn.Module, forced_N_K: torch.Tensor, use_N: torch.Te
 def plan(batch: Any, attn_implementation: str | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A micro-batch's forced routes in the decoder's flattened token order: `[N, layers, k]`
     expert ids and `[N]` whether each position is forced; None when no sample carries routes.
+    A sample's route row of negative ids (an empty routing matrix) leaves that position to the
+    router's own choice.
 
     The order is `MicroBatch.decoder_inputs`': padded rows `[R*L]`, or (varlen attention) the
     real tokens of the rows end to end. Each sample's routes go to its own positions
@@ -180,8 +189,9 @@ def plan(batch: Any, attn_implementation: str | None) -> tuple[torch.Tensor, tor
     for sample in carried:
         recorded = sample.routed_experts
         positions = torch.nonzero(flat == sample.index).squeeze(-1)[: recorded.shape[0]]
-        forced[positions] = sample.routed_experts[: positions.shape[0]].long()
-        use[positions] = True
+        rows = recorded[: positions.shape[0]].long()
+        forced[positions] = rows.clamp(min=0)
+        use[positions] = (rows >= 0).flatten(1).all(-1)
     return forced, use
 
 

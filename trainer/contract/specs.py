@@ -158,6 +158,9 @@ class Sample(Spec):
     model_input: ModelInput
     loss_fn_inputs: dict[str, TensorData] = Field(default_factory=dict)
     routed_experts_key: str | None = None
+    # the routes themselves instead of a key: one base64 matrix per model-input position, ""
+    # for the router's own choice (`trainer.contract.routing`; docs/semantics.md §12)
+    routing_matrices: list[str] | None = None
 
 
 class Gradient(Spec):

@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from trainer.compute.moe_replay import expert_count
 from trainer.compute.prompt_scores import ExtraScores, PromptExtras
 from trainer.compute.sampler import DecodeJob, SampleWatch, Sequence, StopCheck, draw_seed
 from trainer.contract.errors import invalid
+from trainer.contract.routing import encode
 from trainer.contract.rules import (
     Limits,
     check_alt_k,
@@ -78,6 +80,8 @@ class SampleCall:
     prompt_logprobs: bool
     topk_prompt_logprobs: int
     return_routed_experts: bool = False
+    # the routes inline, as routing matrices per sequence (the completions face's R3)
+    return_routing_matrices: bool = False
     steps_per_turn: int = 0
     prompt_logprobs_last_n: int | None = None
     sampling_logprobs: bool = False
@@ -88,6 +92,11 @@ class SampleCall:
     @property
     def rows(self) -> int:
         return len(self.prompts) * self.num_samples
+
+    @property
+    def records_routes(self) -> bool:
+        """Whether the generation records MoE routes (as keys, inline, or both)."""
+        return self.return_routed_experts or self.return_routing_matrices
 
     @property
     def prompt_side(self) -> bool:
@@ -119,7 +128,7 @@ class SampleCall:
             seed=seed,
             stop_hit=self.stop_hit,
             adapter=adapter,
-            record_routed_experts=self.return_routed_experts,
+            record_routed_experts=self.records_routes,
             sampling_logprobs=self.sampling_logprobs,
             watch=self.watch,
         )
@@ -202,6 +211,7 @@ class Generator(abc.ABC):
         topk_prompt_logprobs: int,
         return_routed_experts: bool,
         steps_per_turn: int,
+        return_routing_matrices: bool = False,
         prompt_logprobs_last_n: int | None = None,
         sampling_logprobs: bool = False,
         target_prompt_ids: list[list[list[int]]] | None = None,
@@ -224,6 +234,7 @@ class Generator(abc.ABC):
             prompt_logprobs=prompt_logprobs,
             topk_prompt_logprobs=topk_prompt_logprobs,
             return_routed_experts=return_routed_experts,
+            return_routing_matrices=return_routing_matrices,
             steps_per_turn=steps_per_turn,
             prompt_logprobs_last_n=prompt_logprobs_last_n,
             sampling_logprobs=sampling_logprobs,
@@ -310,11 +321,14 @@ def answer(
     session: SamplingSession, call: SampleCall, samples: list[PromptSamples], version: int
 ) -> dict[str, Any]:
     """The sample operation's result: per prompt its sequences (with their routing-replay keys
-    when routes were recorded, their sampling and top logprobs when asked), the weights
+    or routing matrices when asked, their sampling and top logprobs when asked), the weights
     version they come from, its prompt logprobs and extras when asked."""
     results = []
+    experts = expert_count(session.policy.model) if call.return_routing_matrices else 0
     for prompt, got in zip(call.prompts, samples, strict=True):
-        keys = issue_keys(session, prompt, got.sequences)
+        keys: list[str | None] = [None] * len(got.sequences)
+        if call.return_routed_experts:
+            keys = issue_keys(session, prompt, got.sequences)
         result: dict[str, Any] = {
             "sequences": [
                 {
@@ -323,7 +337,7 @@ def answer(
                     "stop_reason": seq.stop_reason,
                     "prompt_cache_hit_tokens": 0,
                     **({"routed_experts_key": key} if key else {}),
-                    **_asked(call, seq),
+                    **_asked(call, seq, experts),
                 }
                 for seq, key in zip(got.sequences, keys, strict=True)
             ],
@@ -347,9 +361,13 @@ def answer(
     return {"results": results}
 
 
-def _asked(call: SampleCall, seq: Sequence) -> dict[str, Any]:
-    """A sequence's sampling and top logprobs, where the call asked for them."""
+def _asked(call: SampleCall, seq: Sequence, experts: int = 0) -> dict[str, Any]:
+    """A sequence's sampling and top logprobs, and its routing matrices (one per position the
+    generator ran: the prompt and every completion token but the last), where the call asked
+    for them."""
     out: dict[str, Any] = {}
+    if call.return_routing_matrices and seq.routed_experts is not None:
+        out["routing_matrices"] = encode(seq.routed_experts.numpy(), experts)
     if call.sampling_logprobs:
         out["sampling_logprobs"] = seq.sampling_logprobs
     if call.params.top_logprobs:

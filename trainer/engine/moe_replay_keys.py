@@ -1,5 +1,7 @@
 """Routing-replay keys (docs/semantics.md §12): where recorded routes live, and how a session's
-samples issue and use them.
+samples issue and use them. A sample may carry its routes inline instead of a key
+(`routing_matrices`, the Fireworks SDK's R3): both become the prepared sample's
+`routed_experts`, which the one replay path (`compute/moe_replay.replaying`) forces.
 
 Design notes: `docs/design/engine.md`.
 """
@@ -21,13 +23,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from trainer.compute.moe_replay import routing_shape
+from trainer.compute.moe_replay import expert_count, routing_shape
 from trainer.contract.errors import OperationError, invalid
 from trainer.contract.options import ROUTES_MAX_BYTES, ROUTES_TTL_S
+from trainer.contract.routing import decode
 
 KEY_PATTERN = re.compile(r"re-[0-9a-f]{32}")
 UNKNOWN_KEY = "unknown key (never issued to this session, or dropped by the byte budget)"
 FIELD = "routed_experts_key"
+INLINE = "routing_matrices"
 
 
 class UnknownKey(LookupError):
@@ -236,11 +240,21 @@ def issue_keys(session: Any, prompt: list[int], group: list[Any]) -> list[str | 
 
 
 def attach_routed_experts(session: Any, samples: list[Any], prepared: list[Any]) -> None:
-    """Each keyed sample's recorded routes onto its prepared sample (module docstring).
+    """Each keyed sample's recorded routes, and each sample's inline routes, onto its prepared
+    sample (module docstring).
 
     Under several ranks only rank 0 reads the keys (the other ranks' checkpoint store does not
     know the storage root); every rank then takes rank 0's routes, or its refusal, from one
-    exchange, so all fail alike or none."""
+    exchange, so all fail alike or none. Inline routes are in every rank's body: each decodes
+    them alike."""
+    for i, s in enumerate(samples):
+        if s.routed_experts_key and s.routing_matrices is not None:
+            raise invalid(f"samples[{i}].{INLINE}", f"send {FIELD} or {INLINE}, not both")
+    inline = [
+        (i, s.routing_matrices) for i, s in enumerate(samples) if s.routing_matrices is not None
+    ]
+    for i, routes in _inline(session, inline, prepared).items():
+        prepared[i].routed_experts = routes
     keyed = [(i, s.routed_experts_key) for i, s in enumerate(samples) if s.routed_experts_key]
     if not keyed:
         return
@@ -295,4 +309,39 @@ def _resolve(
             n <= routes.shape[0] and n <= tokens.shape[0] and int(mine[-1]) == int(tokens[n - 1])
         )
         found[i] = routes[: n if last_ok else head]
+    return found
+
+
+def _inline(
+    session: Any, inline: list[tuple[int, list[str]]], prepared: list[Any]
+) -> dict[int, torch.Tensor]:
+    """Each sample's routing matrices decoded to `[T, layers, k]` ids (int16; -1 rows where a
+    matrix is empty: the router's own choice there); samples whose matrices are all empty
+    force nothing and are left out. INVALID_INPUT naming the matrix when one is wrong."""
+    model = session.policy.model
+    shape, experts = routing_shape(model), expert_count(model)
+    found: dict[int, torch.Tensor] = {}
+    for i, matrices in inline:
+        where = f"samples[{i}].{INLINE}"
+        n = int(prepared[i].tokens_T.shape[0])
+        if len(matrices) != n:
+            raise invalid(
+                where,
+                f"{len(matrices)} matrices for {n} model-input tokens (one per position; an "
+                "empty string keeps the router's own choice there)",
+            )
+        if not any(matrices):
+            continue
+        if shape is None:
+            raise invalid(where, "this model has no mixture-of-experts layers: nothing to replay")
+        layers, k = shape
+        routes = torch.full((n, layers, k), -1, dtype=torch.int16)
+        for j, matrix in enumerate(matrices):
+            try:
+                ids = decode(matrix, layers, k, experts)
+            except ValueError as exc:
+                raise invalid(f"{where}[{j}]", str(exc)) from None
+            if ids is not None:
+                routes[j] = torch.from_numpy(ids)
+        found[i] = routes
     return found

@@ -28,6 +28,7 @@ from trainer.compute.model import (
     read_model_weights,
     with_context_limit,
 )
+from trainer.compute.moe_replay import routing_shape
 from trainer.compute.placement import Placement, Plain
 from trainer.compute.policy import LoraPolicy, Policy, SharedPeft, layout_like
 from trainer.contract.errors import OperationError, invalid
@@ -89,6 +90,8 @@ class ModelResource:
             self._use_base_weights(spec.base_weights_ref)
         head = self.model.get_output_embeddings()
         self.vocab_size = int(head.weight.shape[0])
+        # whether its samples record MoE routes and its training replays them (semantics §12)
+        self.router_replay = routing_shape(self.model) is not None
         eos = getattr(self.model.generation_config, "eos_token_id", None)
         self.eos_ids: set[int] = set(
             eos if isinstance(eos, list) else [eos] if eos is not None else []

@@ -20,10 +20,11 @@ from trainer.checkpoint.store import INFERENCE, TRAINING, CheckpointRecord, writ
 from trainer.compute import optim
 from trainer.compute.batch import MicroBatch, PreparedSample, check_rules, prepare_samples
 from trainer.compute.losses import LossInputs, LossOutputs, custom_loss, pick_loss
+from trainer.compute.moe_replay import routing_shape
 from trainer.compute.muon import MuonWithAdamW, muon_step, new_muon
 from trainer.compute.policy import Policy, cuda_devices
 from trainer.compute.sampler import SampleWatch  # at run time: spmd reads the signature
-from trainer.contract.errors import OperationError
+from trainer.contract.errors import OperationError, invalid
 from trainer.contract.muon_params import MuonParams
 from trainer.contract.optimizer import optimizer_kind
 from trainer.contract.options import EngineOptions
@@ -360,10 +361,17 @@ class TrainingSession:
         target_prompt_ids: list[list[list[int]]] | None = None,
         prompt_alt_tokens_k: int = 0,
         watch: SampleWatch | None = None,
+        return_routing_matrices: bool = False,
     ) -> dict[str, Any]:
         """`prompt_logprobs_last_n`: the Tinker face's; the RL session API never sends it.
         `watch`: a caller's view of the running generation (`sampler.SampleWatch`), never on
-        a wire."""
+        a wire. `return_routing_matrices`: the completions face's; each sequence's routes
+        inline (docs/semantics.md §12), refused on a dense model."""
+        if return_routing_matrices and routing_shape(self.policy.model) is None:
+            raise invalid(
+                "return_routing_matrices",
+                "this model has no mixture-of-experts layers: it has no routes to return",
+            )
         call = self.generator.sample_call(
             model_inputs,
             num_samples,
@@ -377,6 +385,7 @@ class TrainingSession:
             target_prompt_ids=target_prompt_ids,
             prompt_alt_tokens_k=prompt_alt_tokens_k,
             watch=watch,
+            return_routing_matrices=return_routing_matrices,
         )
         return self.generator.sample(self, call)
 

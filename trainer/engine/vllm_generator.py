@@ -177,7 +177,7 @@ class VllmGenerator(InProcessGenerator):
     # -- samples ---------------------------------------------------------------------------
 
     def sample(self, session: SamplingSession, call: SampleCall) -> dict[str, Any]:
-        if call.return_routed_experts or self.in_process:  # (the module docstring)
+        if call.records_routes or self.in_process:  # (the module docstring)
             return sample_alone(session, call)
         _check_servable(call)
         rng_before = session.cpu_rng.clone()

@@ -173,6 +173,18 @@ def vocab_size_of(worker: Worker, base_model: str) -> int | None:
     return None
 
 
+def router_replay_of(worker: Worker, base_model: str) -> bool | None:
+    """Whether a loaded resource serving `base_model` records and replays MoE routes
+    (docs/semantics.md §12); None while none has loaded."""
+    with worker.resources.lock:
+        lives = list(worker.resources.live.values())
+    for live in lives:
+        replay = getattr(live.engine, "router_replay", None)
+        if live.entry.name == base_model and isinstance(replay, bool):
+            return replay
+    return None
+
+
 _ABSENT = object()
 
 

@@ -46,6 +46,7 @@ from trainer.contract.specs import ModelEntry
 from trainer.serving.errors import ApiError, bad_request
 from trainer.serving.operations import (
     OPERATIONS,
+    router_replay_of,
     run_to_end,
     tokenizer_of,
     validated_call,
@@ -56,6 +57,7 @@ from trainer.serving.worker import EngineCall, Worker
 
 router = APIRouter()
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+FIELD_FIRST = re.compile(r"^[a-z_][\w.\[\]]*: ")  # an engine refusal's message names its field
 POLL_S = 0.25  # how often a waiting stream checks that its client is still there
 FLUSH_S = 0.02  # a stream writes at most one chunk this often (the first at once); the decode
 # loop never waits for it: what it made meanwhile goes out in the next chunk
@@ -123,7 +125,13 @@ def _prepare(
             f"context length {entry.max_seq_length} of {entry.name}",
             "max_tokens",
         )
-    extra = {"watch": watch}
+    if req.routing_matrix and router_replay_of(worker, target.base_model) is False:
+        raise bad_request(
+            f"include_routing_matrix: {entry.name} has no mixture-of-experts layers whose "
+            "routes this worker records",
+            "include_routing_matrix",
+        )
+    extra = {"watch": watch, **_routes(req)}
     vocab = vocab_size_of(worker, target.base_model)
     body = engine_body(req, prompt)
     try:
@@ -135,8 +143,13 @@ def _prepare(
     key = None
     if req.seed is None:  # a seeded request's draws are its seed's alone
         settings = {k: v for k, v in body.items() if k != "model_inputs"}
-        key = json.dumps([target.session_id, user, settings], sort_keys=True)
+        key = json.dumps([target.session_id, user, settings, _routes(req)], sort_keys=True)
     return Prepared(req, target, prompt, call, Tokens(tokenizer), body, entry, vocab, watch, key)
+
+
+def _routes(req: CompletionRequest) -> dict[str, Any]:
+    """The engine's ask for each sequence's routes inline (R3), when the request asks."""
+    return {"return_routing_matrices": True} if req.routing_matrix else {}
 
 
 def _engine_error(error: dict[str, Any]) -> ApiError:
@@ -144,6 +157,8 @@ def _engine_error(error: dict[str, Any]) -> ApiError:
     code = str(error.get("code", "")).removeprefix("TRAINING_OPERATION_ERROR_CODE_")
     message = str(error.get("message", "the sample failed"))
     param = error.get("param")
+    if not isinstance(param, str) and FIELD_FIRST.match(message):  # "field: why"
+        param = message.split(":", 1)[0]
     named = wire_error(ApiError(400, message, param=param if isinstance(param, str) else None))
     if code == "INVALID_INPUT":
         return ApiError(400, named.message, param=named.param, code="invalid_request_error")
@@ -185,7 +200,7 @@ def _sample(worker: Worker, members: list[Prepared]) -> dict[str, Any]:
     if len(members) > 1:
         body = {**first.body, "model_inputs": [m.body["model_inputs"][0] for m in members]}
         watch = FanOut([m.watch for m in members], first.req.n)
-        extra = {"watch": watch}
+        extra = {"watch": watch, **_routes(first.req)}
         tokenizer_known = first.tokens.tokenizer is not None
         call = validated_call(
             OPERATIONS["sample"], body, first.entry, None, first.vocab, extra, tokenizer_known

@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from trainer.contract.routing import FORMAT as ROUTING_FORMAT
 from trainer.contract.specs import STOP_CANCELLED, STOP_STOP
 from trainer.serving.errors import ApiError, bad_request
 
@@ -26,7 +27,6 @@ NEUTRAL = {
     "repetition_penalty": 1.0,
     "min_p": 0.0,
     "ignore_eos": False,
-    "include_routing_matrix": False,
 }
 """Accepted at the value that leaves sampling as it is; any other value is a 400 naming it."""
 
@@ -62,6 +62,8 @@ class CompletionRequest:
     raw_output: bool = False
     stream: bool = False
     perf_metrics: bool = False
+    # R3: each logprob row's MoE experts (`routing_matrix`, docs/semantics.md §12)
+    routing_matrix: bool = False
 
     def echo_count(self, prompt_len: int) -> int:
         """How many of the prompt's last tokens come back before the completion."""
@@ -72,8 +74,10 @@ class CompletionRequest:
 
 # The request's fields: the request's own, by the wire's names (where the two differ: the stop
 # ids come in `stop`, `perf_metrics` is `perf_metrics_in_response`), then the accepted ones.
-FIELDS = {f.name for f in fields(CompletionRequest)} - {"stop_token_ids", "perf_metrics"}
-FIELDS |= {"perf_metrics_in_response", *IGNORED, *NEUTRAL}
+FIELDS = {f.name for f in fields(CompletionRequest)}
+FIELDS -= {"stop_token_ids", "perf_metrics", "routing_matrix"}
+FIELDS |= {"perf_metrics_in_response", "include_routing_matrix", "routing_matrix_format"}
+FIELDS |= {*IGNORED, *NEUTRAL}
 
 
 def _bool(req: dict[str, Any], name: str, default: bool = False) -> bool:
@@ -152,15 +156,11 @@ def parse_request(req: dict[str, Any]) -> CompletionRequest:
     for name in req:
         if name not in FIELDS:
             raise extra_field(name)
+    if req.get("routing_matrix_format") not in (None, ROUTING_FORMAT):  # e.g. parquet_v1
+        raise extra_field("routing_matrix_format")  # the SDK then falls back to base64_inline
     for name, neutral in NEUTRAL.items():
         value = req.get(name)
         if value is not None and (value != neutral or type(value) is not type(neutral)):
-            if name == "include_routing_matrix":
-                raise bad_request(
-                    "include_routing_matrix: routing matrices are not served by completions on "
-                    "this worker (sample through the Tinker API with return_routed_experts)",
-                    name,
-                )
             raise bad_request(f"{name}: only {neutral!r} is served (sampling as it is)", name)
     model = req.get("model")
     if not isinstance(model, str) or not model:
@@ -177,6 +177,13 @@ def parse_request(req: dict[str, Any]) -> CompletionRequest:
     if asked_top is not None:
         top = asked_top
         logprobs = logprobs or asked_top > 0
+    routing = _bool(req, "include_routing_matrix") or "routing_matrix_format" in req
+    if routing and not logprobs:
+        raise bad_request(
+            "include_routing_matrix: needs logprobs (each token's matrix is on its "
+            "logprobs.content row)",
+            "include_routing_matrix",
+        )
     stop, stop_ids = _stop(req.get("stop"))
     n = _int(req, "n", 1, 1, MAX_N)
     max_tokens = _int(req, "max_tokens", DEFAULT_MAX_TOKENS, 1, 1 << 31)
@@ -200,6 +207,7 @@ def parse_request(req: dict[str, Any]) -> CompletionRequest:
         raw_output=_bool(req, "raw_output"),
         stream=_bool(req, "stream"),
         perf_metrics=_bool(req, "perf_metrics_in_response"),
+        routing_matrix=routing,
     )
 
 
@@ -238,6 +246,7 @@ _WIRE_NAMES = (
     (r"sampling_params\.([a-z_]+)", r"\1"),
     (r"topk_prompt_logprobs", "top_logprobs"),
     (r"num_samples", "n"),
+    (r"return_routing_matrices", "include_routing_matrix"),
 )
 
 
@@ -318,7 +327,30 @@ def logprob_rows(
 ) -> list[dict[str, Any]]:
     """`logprobs.content`: the echoed prompt tokens' rows (the model's logprob of each given
     its prefix; the first prompt token, which has none, gets 0.0 and itself as its top-1: it
-    is given), then one row per generated token."""
+    is given), then one row per generated token; each with its `routing_matrix` when asked."""
+    rows = _rows(req, tokens, prompt, group, seq)
+    if req.routing_matrix:
+        _add_routes(rows, len(prompt) - req.echo_count(len(prompt)), seq)
+    return rows
+
+
+def _add_routes(rows: list[dict[str, Any]], first: int, seq: dict[str, Any]) -> None:
+    """Row r (the token at position `first + r` of prompt + completion) gets the matrix of
+    the position before it: the forward that scored and drew that token, so a row's matrix
+    goes with its logprob. The first prompt token has none: ""."""
+    matrices = seq.get("routing_matrices") or []
+    for r, row in enumerate(rows):
+        at = first + r - 1
+        row["routing_matrix"] = matrices[at] if 0 <= at < len(matrices) else ""
+
+
+def _rows(
+    req: CompletionRequest,
+    tokens: Tokens,
+    prompt: list[int],
+    group: dict[str, Any],
+    seq: dict[str, Any],
+) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     echo = req.echo_count(len(prompt))
     prompt_lps = group.get("prompt_logprobs") or []

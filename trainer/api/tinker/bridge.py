@@ -91,6 +91,10 @@ def tinker_names(kind: str, text: str) -> str:
     """`text` (an error message or param) with the engine's field names of operation `kind`
     replaced by the Tinker request's (`samples[2].model_input` ->
     `forward_backward_input.data[2].model_input`)."""
+    if kind == "forward-backward":  # a datum's R3 routes sit on its model input
+        text = re.sub(
+            r"(samples\[\d+\])\.routing_matrices", r"\1.model_input.routing_matrices", text
+        )
     for ours, theirs in _TINKER_NAMES.get(kind, ()):
         text = re.sub(rf"(?<![\w.\]]){re.escape(ours)}(?=[\[.:]|$)", theirs, text)
     return text

@@ -20,6 +20,7 @@ from trainer.api.tinker.convert_inputs import (
     as_tinker,
     flag,
     number,
+    routing_matrices,
     table_shape,
     tensor_values,
     token_ids,
@@ -213,14 +214,17 @@ def forward_backward_request(
     if loss_fn == "gspo":
         _gspo_inputs(datums)
     samples = []
-    for tokens, inputs in datums:
+    for i, (tokens, inputs) in enumerate(datums):
         loss_fn_inputs = {name: _body_tensor(name, values) for name, values in inputs.items()}
-        samples.append(
-            {
-                "model_input": {"chunks": [{"encoded_text": {"tokens": tokens}}]},
-                "loss_fn_inputs": loss_fn_inputs,
-            }
-        )
+        sample: dict[str, Any] = {
+            "model_input": {"chunks": [{"encoded_text": {"tokens": tokens}}]},
+            "loss_fn_inputs": loss_fn_inputs,
+        }
+        where = f"{FBI}.data[{i}].model_input"
+        routes = routing_matrices(data[i]["model_input"], where, len(tokens))
+        if routes is not None:  # R3: these experts are forced (docs/semantics.md §12)
+            sample["routing_matrices"] = routes
+        samples.append(sample)
     body = {
         "loss": loss,
         "samples": samples,

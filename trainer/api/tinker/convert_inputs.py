@@ -17,6 +17,7 @@ import numpy as np
 from pydantic import BaseModel, ValidationError
 
 from trainer.contract.errors import InputError
+from trainer.contract.routing import FORMAT
 from trainer.contract.rules import check_finite, check_has_tokens, check_ids
 from trainer.serving.errors import field_path
 
@@ -148,3 +149,28 @@ def table_shape(shape: Any, size: int) -> list[int] | None:
         return None
     rows, columns = int(shape[0]), int(shape[1])
     return [rows, columns] if min(rows, columns) >= 0 and rows * columns == size else None
+
+
+def routing_matrices(model_input: Mapping[str, Any], field: str, count: int) -> list[str] | None:
+    """A `ModelInput`'s R3 routes (the Fireworks SDK's `routing_matrices`): one base64 matrix
+    per token, "" where the router keeps its own choice; None when it carries none. What a
+    matrix must hold is the engine's check (`trainer.contract.routing`, docs/semantics.md
+    §12); only the `base64_inline` format is read."""
+    if model_input.get("routing_references") is not None or model_input.get(
+        "routing_matrix_format"
+    ) not in (None, FORMAT):
+        raise TinkerInputError(
+            f"{field}.routing_matrix_format",
+            f"only {FORMAT} routing_matrices are read (create_model's routing_matrix_format)",
+        )
+    matrices = model_input.get("routing_matrices")
+    if matrices is None:
+        return None
+    where = f"{field}.routing_matrices"
+    if not isinstance(matrices, list) or not all(isinstance(m, str) for m in matrices):
+        raise TinkerInputError(where, "must be a list of base64 strings, one per token")
+    if len(matrices) != count:
+        raise TinkerInputError(
+            where, f"{len(matrices)} matrices for {count} tokens (one per model-input token)"
+        )
+    return matrices

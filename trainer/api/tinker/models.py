@@ -21,9 +21,11 @@ from trainer.api.tinker.binding import Binding
 from trainer.api.tinker.bridge import RequestFailed, TinkerBridge
 from trainer.api.tinker.records import TinkerModel
 from trainer.api.tinker.requests import CreateModel
+from trainer.contract.routing import FORMAT
 from trainer.contract.specs import ModelEntry, ResourceSpec
 from trainer.serving.catalogue import RES_READY
 from trainer.serving.errors import ApiError, bad_request
+from trainer.serving.operations import router_replay_of
 from trainer.serving.tenants import Principal
 
 LORA_ALPHA = 32  # Tinker's LoRA scale convention (alpha 32 whatever the rank); docs/decisions.md
@@ -43,6 +45,17 @@ class ModelPlan:
     def rank(self) -> int:
         """The model's LoRA rank as `get_info` reports it (0: full weights or frozen base)."""
         return 0 if self.kind != "lora" or self.lora_config is None else self.lora_config["rank"]
+
+
+def capabilities(bridge: TinkerBridge, base_model: str) -> dict[str, Any]:
+    """What `create_model` answers besides the model id, for the Fireworks SDK
+    (`_CreateModelResponse`): whether the model replays R3 routes (an MoE model whose routers
+    the engine records and forces, docs/semantics.md §12) and the one routing-matrix format
+    it reads. Tinker's own SDK ignores them."""
+    replay = router_replay_of(bridge.worker, base_model)
+    if replay is None:
+        return {}
+    return {"supports_router_replay": replay, "routing_matrix_format": FORMAT}
 
 
 def plan(body: CreateModel, entry: ModelEntry, binding: Binding | None) -> ModelPlan:
