@@ -88,6 +88,16 @@ AUDITED = {
     ("POST", "/v1/accounts/{account}/deployments"),
     ("PATCH", "/v1/accounts/{account}/deployments/{deployment_id}"),
     ("DELETE", "/v1/accounts/{account}/deployments/{deployment_id}"),
+    (
+        "POST",
+        "/v1/accounts/{account}/trainingSessions/{session_id}/checkpoints/{checkpoint}:promote",
+    ),
+    ("DELETE", "/v1/accounts/{account}/trainingSessions/{session_id}"),
+    # the serverless surface's own routes (its other Tinker routes are audited as /api/v1/...)
+    *(
+        ("POST", f"/training/v1/serverless/api/v1/{name}")
+        for name in ("create_session", "create_model", "create_sampling_route")
+    ),
     ("POST", "/hot_load/v1/models/hot_load"),
     ("POST", "/inference/v1/completions"),
     ("POST", "/v1/completions"),

@@ -233,6 +233,10 @@ WALKED = [
     ("DELETE", "/v1/accounts/{a}/deployments/{j}"),
     ("GET", "/v1/accounts/{a}/deployments"),
     ("POST", "/v1/accounts/{a}/deployments"),
+    # a serverless training session (tests/fireworks/test_serverless.py drives them)
+    ("GET", "/v1/accounts/{a}/trainingSessions/{j}/checkpoints"),
+    ("POST", "/v1/accounts/{a}/trainingSessions/{j}/checkpoints/{j}:promote"),
+    ("DELETE", "/v1/accounts/{a}/trainingSessions/{j}"),
 ]
 NO_OBJECT = {"/v1/accounts"}  # the caller's own account, whatever the key
 
@@ -252,6 +256,7 @@ def test_every_route_of_the_face_is_walked(live: LiveServer) -> None:
             "{shape}",
             "{version}",
             "{deployment_id}",
+            "{session_id}",
         ):
             shape = shape.replace(name, "*")
         assert shape in walked, path

@@ -2,7 +2,8 @@
 
 Three faces: the RL session API (`/v1/rl`), the Tinker API (`/api/v1`) and the Fireworks
 control plane (`/v1/accounts/...`, with each trainer job's Tinker routes under
-`/training/v1/rlorTrainerJobs/{account}/{job}/api/v1`). `/v1/rl/...` routes need the bearer
+`/training/v1/rlorTrainerJobs/{account}/{job}/api/v1`, and the serverless surface under
+`/training/v1/serverless`). `/v1/rl/...` routes need the bearer
 token; the signed file/payload routes carry their own credential in the query string;
 `/healthz` is open for liveness probes. `/v1/rl/audit` and `/metrics` answer admin keys only
 (`trainer.api.audit`, `trainer.api.metrics`); every mutating call is a line of the audit trail
@@ -28,6 +29,7 @@ from trainer.api.audit import AuditMiddleware
 from trainer.api.auth import BearerAuth
 from trainer.api.fireworks.face import install as install_fireworks
 from trainer.api.fireworks.gateway import JobGateway
+from trainer.api.fireworks.serverless import ServerlessGateway
 from trainer.api.keys import KeyRing
 from trainer.api.metrics import Metrics
 from trainer.api.rl import routes_metrics, routes_ops, routes_resources, routes_sessions
@@ -195,6 +197,7 @@ def create_app(worker: Worker, token: str | None, keys: KeyRing | None = None) -
     app.add_middleware(AuditMiddleware, log=app.state.audit, fastapi_app=app)  # innermost
     app.add_middleware(ControlBodyLimit)
     app.add_middleware(JobGateway, fastapi_app=app)  # a job's Tinker routes: /api/v1 bound
+    app.add_middleware(ServerlessGateway)  # /training/v1/serverless/...: Tinker, completions
     app.add_middleware(DoubleVersionPrefix)
     app.state.keys = ring
     worker.principals = ring.principal  # the quotas of each operation's owner

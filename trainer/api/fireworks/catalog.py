@@ -99,23 +99,7 @@ class Catalog:
     # -- promotion ---------------------------------------------------------------------------
 
     def promote(self, who: Principal, checkpoint: str, body: PromoteBody) -> PromotedModel:
-        parts = body.output_model.split("/")
-        if len(parts) != 4 or parts[0] != "accounts" or parts[2] != "models":
-            raise bad_request(
-                f"output_model: {body.output_model!r} is not accounts/<account>/models/<id>",
-                "output_model",
-            )
-        if parts[1] != who.user:
-            raise bad_request(
-                f"output_model: models are promoted into your own account (accounts/{who.user})",
-                "output_model",
-            )
-        if not MODEL_ID.fullmatch(parts[3]):
-            raise bad_request(
-                f"output_model: model id {parts[3]!r} must be 1-63 lowercase letters, digits "
-                "or '-'",
-                "output_model",
-            )
+        model_id = output_model_id(who, body)
         job_id = (body.trainer_job_id or "").split("/")[-1]
         if not body.trainer_job_id:
             raise bad_request(
@@ -135,12 +119,20 @@ class Catalog:
                 "promotable (save_weights_for_sampler writes promotable ones)",
                 "checkpoint",
             )
+        return self.record_model(who, model_id, found, job.id, body.output_model)
+
+    def record_model(
+        self, who: Principal, model_id: str, found: JobCheckpoint, owner: str, output_model: str
+    ) -> PromotedModel:
+        """Record model `model_id` of `who`'s account serving checkpoint `found` of `owner`: a
+        job's id, or a serverless training session's name (`accounts/<a>/trainingSessions/
+        <ts>`); a 409 naming `output_model` when the model exists."""
         model = PromotedModel(
             account=who.user,
-            id=parts[3],
+            id=model_id,
             checkpoint_id=found.record.id,
             checkpoint_name=found.name,
-            job_id=job.id,
+            job_id=owner,
             base_model=found.record.base_model,
             lora_rank=int(found.record.lora_rank or 0),
             created_at=time.time(),
@@ -150,7 +142,7 @@ class Catalog:
         except sqlite3.IntegrityError:
             raise ApiError(
                 409,
-                f"output_model: model {body.output_model!r} already exists",
+                f"output_model: model {output_model!r} already exists",
                 param="output_model",
                 code="already_exists",
             ) from None
@@ -198,8 +190,11 @@ class Catalog:
             return out
         out["createTime"] = rfc3339(model.created_at)
         out["baseModel"] = model.base_model
-        out["trainerJob"] = job_name(model.account, model.job_id)
-        out["checkpoint"] = f"{out['trainerJob']}/checkpoints/{model.checkpoint_name}"
+        if "/" in model.job_id:  # a serverless training session's name (no job id has one)
+            owner = out["trainingSession"] = model.job_id
+        else:
+            owner = out["trainerJob"] = job_name(model.account, model.job_id)
+        out["checkpoint"] = f"{owner}/checkpoints/{model.checkpoint_name}"
         if self.model_dir(model) is None:
             out["state"] = "FAILED"
             out["status"] = {"code": "NOT_FOUND", "message": "its checkpoint was deleted"}
@@ -257,3 +252,25 @@ def base_model_details(config: dict[str, Any]) -> dict[str, Any]:
         "checkpointFormat": "HUGGINGFACE",
         "tunable": True,
     }
+
+
+def output_model_id(who: Principal, body: PromoteBody) -> str:
+    """The id of the model a promotion makes: `output_model` is `accounts/<caller>/models/<id>`
+    (a 400 naming `output_model` otherwise)."""
+    parts = body.output_model.split("/")
+    if len(parts) != 4 or parts[0] != "accounts" or parts[2] != "models":
+        raise bad_request(
+            f"output_model: {body.output_model!r} is not accounts/<account>/models/<id>",
+            "output_model",
+        )
+    if parts[1] != who.user:
+        raise bad_request(
+            f"output_model: models are promoted into your own account (accounts/{who.user})",
+            "output_model",
+        )
+    if not MODEL_ID.fullmatch(parts[3]):
+        raise bad_request(
+            f"output_model: model id {parts[3]!r} must be 1-63 lowercase letters, digits or '-'",
+            "output_model",
+        )
+    return parts[3]

@@ -5,7 +5,13 @@ A completion's `model` may name, besides a deployment (whose resolver `deploymen
 - a model promoted in the caller's account (`accounts/<a>/models/<m>`): its checkpoint;
 - a checkpoint saved through any face: a `tinker://` path (the Tinker face's, or an RL-session
   checkpoint's `tinker://<session>/<segment>/<checkpoint id>`), a Fireworks logical sampler path
-  (`<account>/run-<32 hex>/<name>`), or an RL-session checkpoint id itself.
+  (`<account>/run-<32 hex>/<name>`), or an RL-session checkpoint id itself;
+- on the serverless surface (`serverless.py`): a training session of the caller's
+  (`accounts/<a>/trainingSessions/<ts>`: its base model), one of its checkpoints
+  (`.../checkpoints/<account>/run-<32 hex>/<name>`, the sampler path its run saved, or
+  `.../checkpoints/<run id>-<name>`, the control plane's row), and a standalone sampler
+  (`accounts/<a>/trainingSamplers/checkpoints/<sampler path>`, `accounts/<a>/trainingSamplers/
+  <base model>`).
 
 A LoRA checkpoint (or the base model) samples on an engine session of the Tinker face's sampler
 pool (`SamplerSessions`): opened from the checkpoint's weights on the shared LoRA resource of its
@@ -17,13 +23,15 @@ exactly as a missing one (the 404 of `Targets.resolve`).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
+from trainer.api.fireworks import serverless
 from trainer.api.fireworks.service import FireworksFace
 from trainer.api.fireworks.targets import Target
 from trainer.api.tinker import names, paths
 from trainer.api.tinker.bridge import TinkerBridge
-from trainer.api.tinker.records import TinkerCheckpoint, TinkerSampler
+from trainer.api.tinker.records import TinkerCheckpoint, TinkerModel, TinkerSampler
 from trainer.api.tinker.sampling import SamplerSessions, adhoc_id, new_sampler
 from trainer.checkpoint.export import ENCRYPTED_EXPORT, stored_encrypted
 from trainer.checkpoint.store import CheckpointRecord
@@ -31,6 +39,7 @@ from trainer.serving.errors import ApiError, bad_request
 from trainer.serving.tenants import Principal
 
 FIELD = "model"
+ROW_ID = re.compile(r"^(run-[0-9a-f]{32})-(.+)$")
 
 
 def missing(name: str) -> ApiError:
@@ -56,7 +65,15 @@ class CompletionTargets:
         self.pool = pool
 
     def resolvers(self) -> list[Callable[[str, Principal], Target | None]]:
-        return [self.base_model, self.promoted, self.tinker_path, self.logical, self.rl_checkpoint]
+        return [
+            self.base_model,
+            self.promoted,
+            self.tinker_path,
+            self.logical,
+            self.rl_checkpoint,
+            self.training_session,
+            self.training_sampler,
+        ]
 
     # -- what a name is ---------------------------------------------------------------------
 
@@ -117,6 +134,59 @@ class CompletionTargets:
         if record is None:
             return None
         return self._checkpoint(name, record, who)
+
+    def training_session(self, name: str, who: Principal) -> Target | None:
+        """`accounts/<a>/trainingSessions/<ts>[/checkpoints/<c>]`: a checkpoint that one of
+        the session's runs saved, or the base model of the session's models."""
+        parts = name.split("/")
+        if len(parts) < 4 or parts[0] != "accounts" or parts[2] != "trainingSessions":
+            return None
+        session_id, rest = parts[3], parts[4:]
+        mine = parts[1] == who.user
+        if not mine or serverless.session_of(self.bridge.db, who, session_id) is None:
+            raise missing(name)
+        if not rest:
+            held = self.bridge.db.select(TinkerModel, "tinker_session = ?", (session_id,))
+            if not held:
+                raise missing(name)
+            return self.base_model(held[0].base_model, who)
+        if rest[0] != "checkpoints" or len(rest) < 2:
+            raise missing(name)
+        account = names.account_of(who, None)
+        path = "/".join(rest[1:])
+        row_id = ROW_ID.fullmatch(path)  # the control plane's `<run id>-<name>`
+        if row_id is not None:
+            path = f"{account}/{row_id.group(1)}/{row_id.group(2)}"
+        saved = self.bridge.db.get(TinkerCheckpoint, path)
+        scope = serverless.session_scope(account, session_id)
+        if saved is None or not (saved.scope or "").startswith(scope):
+            raise missing(name)
+        record = self.bridge.worker.checkpoints.get(saved.checkpoint_id)
+        if record is None:
+            raise missing(name)
+        return self._checkpoint(name, record, who)
+
+    def training_sampler(self, name: str, who: Principal) -> Target | None:
+        """`accounts/<a>/trainingSamplers/checkpoints/<sampler path>` (a checkpoint of any
+        run of the caller's) or `accounts/<a>/trainingSamplers/<base model>`."""
+        parts = name.split("/", 3)
+        if len(parts) < 4 or parts[0] != "accounts" or parts[2] != "trainingSamplers":
+            return None
+        if parts[1] != who.user:
+            raise missing(name)
+        rest = parts[3]
+        try:
+            if rest.startswith("checkpoints/"):
+                found = self.logical(rest.removeprefix("checkpoints/"), who)
+            else:
+                found = self.base_model(rest, who)
+        except ApiError as exc:
+            if exc.status == 404:
+                raise missing(name) from None
+            raise
+        if found is None:
+            raise missing(name)
+        return found
 
     # -- the engine session -----------------------------------------------------------------
 

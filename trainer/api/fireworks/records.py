@@ -46,8 +46,8 @@ class PromotedModel:
     account: str
     id: str
     checkpoint_id: str  # the engine's inference checkpoint it serves
-    checkpoint_name: str  # its name among the job's checkpoints
-    job_id: str
+    checkpoint_name: str  # its name among the job's (or training session's) checkpoints
+    job_id: str  # the job's id, or `accounts/<a>/trainingSessions/<ts>` (a serverless session)
     base_model: str  # the catalogue entry its weights are of
     lora_rank: int  # 0: a merged full model; else a PEFT adapter of that rank
     created_at: float

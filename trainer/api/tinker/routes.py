@@ -180,6 +180,21 @@ async def create_model(request: Request) -> dict[str, Any]:
     entry = bridge.entry(body.base_model)
     plan = models.plan(body, entry, binding)
     model_id = f"{body.session_id}:train:{body.model_seq_id}"
+    scope = binding.scope if binding is not None else None
+    return future_json(open_model(bridge, body, plan, model_id, scope, who), model_id)
+
+
+def open_model(
+    bridge: TinkerBridge,
+    body: CreateModel,
+    plan: models.ModelPlan,
+    model_id: str,
+    scope: str | None,
+    who: Principal,
+) -> str:
+    """Queue the making of model `model_id` (`plan`, its checkpoint names in name space
+    `scope`: `names.scope_of`) on its dispatcher; the future's id. The Fireworks serverless
+    face makes its run-scoped models through here too (`fireworks.serverless_routes`)."""
 
     def work(_: str) -> dict[str, Any]:
         resource_id = models.resource_of(bridge, plan, who)
@@ -191,7 +206,7 @@ async def create_model(request: Request) -> dict[str, Any]:
             TinkerModel(
                 id=model_id,
                 tinker_session=body.session_id,
-                base_model=entry.name,
+                base_model=plan.base_model,
                 session_id=session_id,
                 resource_id=resource_id,
                 lora_rank=plan.rank,
@@ -200,16 +215,16 @@ async def create_model(request: Request) -> dict[str, Any]:
                 lora_config=plan.lora_config or {"rank": 0},
                 user_metadata=dict(body.user_metadata or {}),
                 frozen=plan.frozen,
-                scope=binding.scope if binding is not None else None,
+                scope=scope,
             ),
             replace=True,
         )
-        return {"model_id": model_id, "type": "create_model"}
+        caps = models.capabilities(bridge, plan.base_model)  # R3 (docs/semantics.md §12)
+        return {"model_id": model_id, "type": "create_model", **caps}
 
     # the model id names the request; the same id with another body is a 409
     key = RequestKey(f"create_model|{model_id}", body_digest("CreateModel", body), "model_seq_id")
-    request_id = bridge.start(model_id, "CreateModel", key, work, who)
-    return future_json(request_id, model_id)
+    return bridge.start(model_id, "CreateModel", key, work, who)
 
 
 def model_info(bridge: TinkerBridge, model: TinkerModel) -> dict[str, Any]:

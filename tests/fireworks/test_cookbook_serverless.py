@@ -1,0 +1,107 @@
+"""The Fireworks training cookbook's serverless RL example,
+`training/examples/serverless_rl/countdown_rl.py`, unchanged, against the worker's serverless
+surface (`countdown_runner.py`; skipped where the cookbook is not at hand, as
+`test_cookbook.py` is).
+
+The example's own Countdown rows (bundled with it), a tiny near-uniform model whose vocabulary
+holds one `<answer>7</answer>` token: a completion earns the format reward (0.5) when it
+samples that token, so groups of 4 have reward spread now and then and the steps that have it
+train. Each step saves the LoRA weights for the sampler, samples that very checkpoint through
+`/training/v1/serverless/inference/v1/completions`, and takes an importance-sampling step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.api.conftest import LiveServer, serve_in_thread
+from tests.fireworks.conftest import fw_env
+from tests.tinker.conftest import build_served_model
+
+pytestmark = pytest.mark.fireworks
+
+HERE = Path(__file__).parent
+RUNNER = HERE / "countdown_runner.py"
+MODEL = "accounts/fireworks/models/qwen3-countdown"
+STEPS = 3
+GROUP = 4
+
+
+@pytest.fixture(scope="module")
+def countdown_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    where = tmp_path_factory.mktemp("countdown-model")
+    extra = ("<answer>7</answer>",)
+    return build_served_model(where, scale=1.0, seed=5, tokenizer_dir=where, extra=extra)
+
+
+@pytest.fixture(scope="module")
+def countdown_server(
+    countdown_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveServer]:
+    storage = tmp_path_factory.mktemp("countdown-storage")
+    with serve_in_thread(storage, {MODEL: countdown_model}) as live:
+        yield live
+
+
+def test_countdown_rl_runs_on_the_serverless_surface(
+    cookbook_py: Path,
+    cookbook: Path,
+    countdown_server: LiveServer,
+    countdown_model: Path,
+    tmp_path: Path,
+) -> None:
+    spec = {
+        "cookbook": str(cookbook),
+        "base_model": MODEL,
+        "tokenizer": str(countdown_model),
+        "run_dir": str(tmp_path / "run"),
+        "steps": STEPS,
+        "prompt_groups": 2,
+        "group_size": GROUP,
+        "max_sample_tokens": 12,
+        "max_seq_len": 512,
+        "learning_rate": 1e-3,
+    }
+    proc = subprocess.run(
+        [str(cookbook_py), str(RUNNER), json.dumps(spec)],
+        env=fw_env(countdown_server),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    report: dict[str, Any] = json.loads(lines[-1]) if lines else {}
+    if proc.returncode != 0 or "records" not in report:
+        calls = "\n".join(report.get("calls", [])[-15:])
+        raise AssertionError(
+            f"countdown_rl failed: {report.get('error', f'exit {proc.returncode}')}\n"
+            f"--- last calls\n{calls}\n--- traceback\n{report.get('traceback', '')[-4000:]}\n"
+            f"--- stderr\n{proc.stderr[-3000:]}"
+        )
+    records = report["records"]
+    assert [r["step"] for r in records] == list(range(STEPS)), records
+    # every step sampled its own fresh checkpoint of the run, group by group
+    snapshots = [r["snapshot"] for r in records]
+    assert len(set(snapshots)) == STEPS, snapshots
+    assert all(r["rollout/raw_samples"] == 2 * GROUP for r in records), records
+    calls = report["calls"]
+    sampled = [c for c in calls if "/training/v1/serverless/inference/v1/completions" in c]
+    assert len(sampled) == STEPS * 2 * GROUP, calls[-20:]
+    assert all(" 200" in c for c in sampled), sampled
+    saves = [c for c in calls if "/training/v1/serverless/api/v1/save_weights_for_sampler" in c]
+    assert len(saves) == STEPS + 1, calls[-20:]  # and the final one
+    assert not [c for c in calls if re.search(r"HTTP/\S+ 5\d\d", c)], calls
+    assert any(r["train/trained"] for r in records), records  # a group had reward spread
+    for r in records:  # a step with reward spread trained, with a finite loss
+        if r["train/trained"]:
+            assert r["train/loss"] is None or math.isfinite(r["train/loss"]), r
+        assert 0.0 <= r["rollout/raw_reward"] <= 1.0, r
