@@ -26,6 +26,7 @@ the scheduler's counters (calls of the merged arm that missed the window ran alo
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -59,6 +60,17 @@ class Result:
     step_s: float
     flops: float
     peak_mem_gb: float
+
+    def figures(self, peak_flops: float) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "tokens": self.tokens,
+            "step_s": self.step_s,
+            "tokens_per_s": self.tokens / self.step_s,
+            "tflops": self.flops / self.step_s / 1e12,
+            "mfu": self.flops / self.step_s / peak_flops,
+            "peak_mem_gb": self.peak_mem_gb,
+        }
 
     def row(self, peak_flops: float) -> str:
         tflops = self.flops / self.step_s / 1e12
@@ -196,6 +208,17 @@ class MergeResult:
     merged_s: float
     counters: dict[str, int]
     calls: int  # calls of the merged arm, warm-up excluded
+
+    def figures(self) -> dict[str, Any]:
+        return {
+            "sessions": self.sessions,
+            "call_tokens": self.call_tokens,
+            "serial_calls_per_s": self.sessions / self.serial_s,
+            "merged_calls_per_s": self.sessions / self.merged_s,
+            "merged_over_serial": self.serial_s / self.merged_s,
+            **self.counters,
+            "calls": self.calls,
+        }
 
     def row(self) -> str:
         calls = self.sessions
@@ -359,6 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--vllm-python",
         help="also the vLLM rows (scripts/bench_vllm.py) on a Qwen3-0.6B shape, bf16, 64 x 512",
     )
+    parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
     if args.tiny:
         device, shape = torch.device("cpu"), TINY
@@ -383,6 +407,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("|---|---|---|---|---|---|---|")
     for result in results:
         print(result.row(peak))
+    figures: dict[str, Any] = {
+        "device": name,
+        "shape": shape.describe(),
+        "grad_ckpt": args.grad_ckpt,
+        "peak_tflops": peak / 1e12,
+        "modes": [result.figures(peak) for result in results],
+    }
     if not args.no_merge:
         rounds = 2 if args.tiny else args.merge_rounds
         merge = run_merge(
@@ -402,6 +433,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print("|---|---|---|---|---|")
         print(merge.row())
+        figures["merge"] = merge.figures()
+    if args.json is not None:
+        args.json.write_text(json.dumps(figures, indent=1))
     if args.vllm_python:
         run_vllm(args.vllm_python, device, shape, tiny=args.tiny)
     return 0

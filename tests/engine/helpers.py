@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -18,6 +19,9 @@ from trainer.contract.specs import (
     TensorData,
 )
 from trainer.engine.resource import ModelResource
+
+DEVICE = os.environ.get("TRAINER_TEST_DEVICE", "cpu")
+"""Where `make_resource` computes: cpu, or cuda for `scripts/gpu_proof.sh`'s engine rows."""
 
 
 def model_input(tokens: list[int]) -> ModelInput:
@@ -69,16 +73,16 @@ def make_resource(
         lora_enabled=lora,
         compute_config={"num_generator_replicas": 1 if generator else 0},
     )
-    return ModelResource(entry, spec, CheckpointStore(storage), device="cpu", options=options)
+    return ModelResource(entry, spec, CheckpointStore(storage), device=DEVICE, options=options)
 
 
 def weights_of(session) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in session.policy.trainable.items()}
+    return {n: p.detach().cpu().clone() for n, p in session.policy.trainable.items()}
 
 
 def grads_of(session) -> dict[str, torch.Tensor | None]:
     return {
-        n: (None if p.grad is None else p.grad.detach().clone())
+        n: (None if p.grad is None else p.grad.detach().cpu().clone())
         for n, p in session.policy.trainable.items()
     }
 
