@@ -93,3 +93,17 @@ def test_an_attention_the_model_refuses_is_an_error_naming_it(tmp_path: Path) ->
         ValueError, match=r"attn_implementation: gpt_oss .* does not support .sdpa."
     ):
         load_base_model(entry, torch.device("cpu"))
+
+
+def test_layer_windows_read_from_either_transformers_shape(monkeypatch) -> None:
+    """transformers 5.17 (the GPU image's) returns one kwargs dict for every layer, later ones a
+    dict per layer: both give each layer its own window (None for the full-attention ones)."""
+    import transformers.cache_utils as cache_utils
+
+    types = ["sliding_attention", "full_attention", "chunked_attention", "mlp"]
+    per_layer = [{"sliding_window": 4}, {}, {"sliding_window": 8}, {}]
+    monkeypatch.setattr(cache_utils, "get_layer_types_and_kwargs", lambda c: (types, per_layer))
+    assert architecture.layer_types(None) == (types, [4, None, 8, None])
+    one = {"sliding_window": 4, "number_of_states": 1}
+    monkeypatch.setattr(cache_utils, "get_layer_types_and_kwargs", lambda c: (types[:2], one))
+    assert architecture.layer_types(None) == (types[:2], [4, None])

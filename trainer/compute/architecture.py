@@ -44,6 +44,13 @@ _POSITIONWISE = {"moe", "mlp", "dense", "sparse", "dummy"}
 # Layer types that carry state along the sequence (a conv window, a recurrent state): exact
 # only with one sample per row.
 _STATEFUL = {"linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba", "recurrent"}
+# Layer types whose cache is bounded by a window (`sliding_window` / `attention_chunk_size`).
+_WINDOWED = {
+    "sliding_attention",
+    "chunked_attention",
+    "hybrid_sliding",
+    "reference_sliding_attention",
+}
 # Decoder sub-modules whose class names mark a stateful layer, for configs without
 # `layer_types` that say so (Mamba, Gated DeltaNet, short convolutions, RG-LRU, ...).
 _STATEFUL_CLASS = re.compile(r"Mamba|DeltaNet|LinearAttention|ShortConv|Rglru|RGLRU|SSM|Recurrent")
@@ -165,6 +172,10 @@ def layer_types(config: Any) -> tuple[list[str], list[int | None]]:
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     types, kwargs = get_layer_types_and_kwargs(config)
+    if isinstance(kwargs, dict):
+        # older transformers (5.17, the GPU image's) return one kwargs dict for every layer,
+        # whose `sliding_window` belongs to the sliding and chunked layers only
+        kwargs = [kwargs if t in _WINDOWED else {} for t in types]
     return list(types), [k.get("sliding_window") for k in kwargs]
 
 
