@@ -50,7 +50,19 @@ QWEN3_06B = ModelShape(
     hidden=1024, intermediate=3072, layers=28, heads=16, kv_heads=8, head_dim=128
 )
 TINY = ModelShape(vocab=2048, hidden=64, intermediate=128, layers=2, heads=4, head_dim=16)
-PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "A100": 312.0, "L40S": 362.1}
+# Dense bf16 tensor-core peaks (NVIDIA datasheets), matched against the device name in this
+# order, so that a PCIe or NVL H100 and a GB200 are not read as the SXM H100 or the B200.
+PEAK_BF16_TFLOPS = {
+    "H100 PCIe": 756.0,
+    "H100 NVL": 835.5,
+    "GB200": 2500.0,
+    "B200": 2250.0,
+    "H200": 989.4,
+    "H100": 989.4,
+    "H800": 989.4,
+    "A100": 312.0,
+    "L40S": 362.1,
+}
 
 
 @dataclass
@@ -82,15 +94,20 @@ class Result:
         )
 
 
+def peak_tflops_of(name: str) -> float | None:
+    """The dense bf16 peak of the GPU called `name` (torch's device name), None if unknown."""
+    return next((tflops for key, tflops in PEAK_BF16_TFLOPS.items() if key in name), None)
+
+
 def peak_flops(device: torch.device, override: float | None) -> float:
     if override:
         return override * 1e12
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, tflops in PEAK_BF16_TFLOPS.items():
-            if key in name:
-                return tflops * 1e12
-        raise SystemExit(f"unknown GPU {name!r}: pass --peak-tflops (dense bf16)")
+        tflops = peak_tflops_of(name)
+        if tflops is None:
+            raise SystemExit(f"unknown GPU {name!r}: pass --peak-tflops (dense bf16)")
+        return tflops * 1e12
     a = torch.randn(1024, 1024, dtype=torch.bfloat16)
     a @ a
     start = time.perf_counter()

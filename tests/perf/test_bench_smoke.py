@@ -50,3 +50,19 @@ def test_bench_gpu_tiny_runs_on_cpu(capsys, monkeypatch) -> None:
     out = capsys.readouterr().out
     assert "| full |" in out and "| LoRA r32 |" in out
     assert "merged vs serial" in out and "| 8 x 128 |" in out  # the issue-14 row ran
+
+
+def test_bench_gpu_peaks_match_the_most_specific_name(monkeypatch) -> None:
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "scripts" / "bench_gpu.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_gpu", module)
+    spec.loader.exec_module(module)
+    # torch.cuda.get_device_name's spellings; the figures are NVIDIA's dense bf16 datasheet peaks
+    assert module.peak_tflops_of("NVIDIA H100 80GB HBM3") == 989.4
+    assert module.peak_tflops_of("NVIDIA H100 PCIe") == 756.0
+    assert module.peak_tflops_of("NVIDIA H100 NVL") == 835.5
+    assert module.peak_tflops_of("NVIDIA H200") == 989.4
+    assert module.peak_tflops_of("NVIDIA B200") == 2250.0
+    assert module.peak_tflops_of("NVIDIA GB200") == 2500.0
+    assert module.peak_tflops_of("NVIDIA GeForce RTX 4090") is None
