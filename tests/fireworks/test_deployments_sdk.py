@@ -19,6 +19,7 @@ from tests.api.conftest import TOKEN, LiveServer
 from tests.fireworks.conftest import QWEN, SCRIPTS, run_fw
 from tests.fireworks.test_data_plane import close, reference_logprobs
 from trainer.api.tinker import convert
+from trainer.serving.catalogue import RES_READY, RES_STOPPED
 from trainer.serving.tenants import LOCAL, Principal
 
 pytestmark = pytest.mark.fireworks
@@ -160,6 +161,23 @@ def test_a_deployment_serves_the_base_then_exactly_the_hot_loaded_weights(
         resource = fw_server.worker.resource(deployed.full_resource)
         assert resource.spec["lora_enabled"] is False and resource.owner == "local"
         assert replica["loaded_adapters"] == []
+        # a LoRA hot-load after full weights serves the adapter and releases that resource
+        held = face.targets.resolve(name, LOCAL)  # a completion on the full weights
+        lora = save(fw_python_latest, fw_server, QWEN, 4, "num-after-full")
+        r = c.post(
+            HOT_LOAD,
+            headers={"fireworks-deployment": name, "fireworks-model": QWEN},
+            json={"identity": lora["identity"]},
+        )
+        assert r.status_code == 200, r.text
+        assert wait_loaded(c, name, lora["identity"])["loading_state"]["stage"] == "done"
+        assert deployed.full is None and deployed.full_resource is None
+        assert fw_server.worker.resource(resource.id).status == RES_READY  # still held
+        held.release()
+        assert fw_server.worker.resource(resource.id).status == RES_STOPPED
+        served_identity, served = deployment_logprobs(fw_server, name)
+        assert served_identity == lora["identity"]
+        assert close(served, lora["trained"]), (served, lora["trained"])
     else:
         assert deployed.full_resource is None
     assert c.delete(f"/v1/accounts/local/deployments/{dep}").status_code == 200

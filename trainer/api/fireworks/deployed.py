@@ -9,7 +9,8 @@ hot-loads that change them (docs/semantics.md §24).
   `loaded_adapters`, the last one loaded is what completions sample.
 - A full-weight sampler checkpoint: the deployment's own full-weight resource (owned by its
   account, so it counts against that account's `max_resources`), with one session resumed
-  from the checkpoint, replaced by a new session on each full hot-load.
+  from the checkpoint, replaced by a new session on each full hot-load. A LoRA hot-load
+  after it releases that resource (once the completions holding its session end).
 Sessions are the worker's own (`internal`, principal LOCAL): the caller's right to the
 checkpoint was checked when the hot-load was accepted (`hotload.snapshot_of`). Whether a
 resource generates in-process or on vLLM replicas follows the worker's `[generator]`
@@ -78,6 +79,7 @@ class Deployed:
         self.adapters: OrderedDict[str, tuple[Snapshot, str]] = OrderedDict()  # -> session
         self.full: tuple[Snapshot, str] | None = None
         self.full_resource: str | None = None
+        self.full_leaving: tuple[str, str] | None = None  # (session, resource) to release
         self.current: Snapshot | None = None  # what completions sample; None: the base model
         self.pending: Snapshot | None = None  # the next load
         self.target: str | None = None  # the identity of the load in flight or last asked
@@ -154,12 +156,28 @@ class Deployed:
                     if len(self.adapters) <= MAX_ADAPTERS:
                         break
                     closing += self._retire(self.adapters.pop(identity)[1])
+                if self.full is not None and self.full_resource is not None:
+                    self.full_leaving = (self.full[1], self.full_resource)
+                    closing += self._retire(self.full[1])
+                    self.full, self.full_resource = None, None
             else:
                 self.full = (snapshot, session_id)
             self.current = snapshot
         for old_id in closing:
             self.bridge.stop_session(old_id)
+        self._release_left_resource()
         return session_id
+
+    def _release_left_resource(self) -> None:
+        """Stop the full-weight resource a LoRA hot-load replaced, once no completion holds
+        its session (else this runs again at that session's release)."""
+        with self.lock:
+            leaving = self.full_leaving
+            if leaving is None or self.in_use.get(leaving[0], 0) > 0:
+                return
+            self.full_leaving = None
+        with contextlib.suppress(ApiError):
+            self.bridge.worker.stop_resource(leaving[1], force=True)
 
     def _open_full(self, spec: dict[str, Any]) -> str:
         """A session of `spec` on the full-weight resource, which hosts one session: the one
@@ -269,6 +287,7 @@ class Deployed:
                 self.released.notify_all()
         if closing:
             self.bridge.stop_session(session_id)
+            self._release_left_resource()
 
     # -- hot-loads -------------------------------------------------------------------------
 
@@ -360,9 +379,11 @@ class Deployed:
                 closing += self._retire(session_id)
             self.base_session, self.full = None, None
             self.adapters.clear()
-            resource_id, self.full_resource = self.full_resource, None
+            resources = [self.full_resource] if self.full_resource else []
+            resources += [self.full_leaving[1]] if self.full_leaving else []
+            self.full_resource, self.full_leaving = None, None
         for session_id in closing:
             self.bridge.stop_session(session_id)
-        if resource_id is not None:
+        for resource_id in resources:
             with contextlib.suppress(ApiError):
                 self.bridge.worker.stop_resource(resource_id, force=True)
