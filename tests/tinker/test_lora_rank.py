@@ -146,7 +146,7 @@ def test_vllm_replicas_take_the_models_rank(
 
     from trainer.contract.generation import GeneratorOptions
     from trainer.contract.specs import ModelEntry
-    from trainer.engine.replicas import replica_config
+    from trainer.engine.replica_settings import replica_config
 
     limits = {} if entry_rank is None else {"max_lora_rank": entry_rank}
     entry = ModelEntry(name=th.BASE, location=str(tiny_qwen_dir), **limits)

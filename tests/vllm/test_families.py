@@ -39,7 +39,8 @@ from trainer.contract.specs import (
     SessionSpec,
 )
 from trainer.engine.replica_check import GeneratorFallback
-from trainer.engine.replicas import replica_config, start_replicas
+from trainer.engine.replica_settings import replica_config
+from trainer.engine.replicas import start_replicas
 from trainer.engine.resource import ModelResource
 from trainer.engine.session import TrainingSession
 from trainer.tiny import build_model

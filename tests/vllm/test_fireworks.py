@@ -2,19 +2,23 @@
 lifecycle example and GRPO steps (`tests/fireworks/sdk_scripts/rl_grpo.py`), unchanged. A
 deployment follows the worker's `[generator]`, so its completions run on the replicas: after
 each `WeightSyncer.save_and_hotload`, the completion's logprobs equal the trainer's forward of
-the same tokens at the hot-loaded step (within 1e-3, float32)."""
+the same tokens at the hot-loaded step (within 1e-3, float32). A streamed completion comes
+from the replica as it generates: in several chunks, equal to the whole answer."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.api.conftest import LiveServer, serve_in_thread
+from tests.api.conftest import TOKEN, LiveServer, serve_in_thread
 from tests.fireworks.conftest import QWEN, SCRIPTS, run_fw
+from tests.fireworks.test_completions import assembled, complete, stream
 from tests.fireworks.venv import fireworks_python
 from tests.tinker.conftest import VOCAB, build_tokenizer
+from trainer.api.fireworks import completions
 from trainer.tiny import TinySpec, save_model
 
 pytestmark = pytest.mark.fireworks
@@ -53,5 +57,34 @@ def test_grpo_through_a_vllm_deployment(server: LiveServer, model: Path) -> None
     loaded = {a["identity"] for a in replica.get("loaded_adapters") or []}
     assert identities[-1] in {replica["current_snapshot_identity"], *loaded}, replica
     # the completions ran on the replicas, not the in-process loop
+    engine = server.worker.resources.live
+    assert any(getattr(live.engine, "replicas", None) for live in engine.values()), engine
+
+
+def test_a_stream_from_a_vllm_deployment_comes_as_it_is_made(
+    server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(completions, "FLUSH_S", 0.0)  # a chunk per replica step
+    name = "accounts/local/deployments/stream-vllm"
+    with httpx.Client(base_url=server.url, headers={"X-Api-Key": TOKEN}, timeout=300) as http:
+        created = http.post(
+            "/v1/accounts/local/deployments",
+            params={"deploymentId": "stream-vllm"},
+            json={"baseModel": QWEN, "deploymentShape": "local"},
+        )
+        assert created.status_code == 200, created.text
+        body = {"model": name, "prompt": [3, 17, 22, 9], "max_tokens": 24, "temperature": 0.0}
+        body.update(logprobs=True, raw_output=True)
+        whole = complete(http, **body)
+        _, chunks = stream(http, **body)
+        assert http.delete("/v1/accounts/local/deployments/stream-vllm").status_code == 200
+    assert chunks[-1] == "[DONE]"
+    (expected,) = whole["choices"]
+    (got,) = assembled(chunks[:-1])
+    assert got["raw_output"] == expected["raw_output"]
+    assert got["content"] == expected["logprobs"]["content"]
+    tokens = expected["raw_output"]["completion_token_ids"]
+    deltas = [c for c in chunks[:-2] if isinstance(c, dict) and c["choices"]]
+    assert len(tokens) >= 3 and len(deltas) >= 3, (tokens, deltas)  # not one chunk at the end
     engine = server.worker.resources.live
     assert any(getattr(live.engine, "replicas", None) for live in engine.values()), engine

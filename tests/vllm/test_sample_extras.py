@@ -2,7 +2,7 @@
 `top_logprobs` (vLLM's raw `logprobs=k`: the same ids, values within 1e-3), `sampling_logprobs`
 where vLLM's answer is exact (greedy: 0.0; temperature 1, no top-k/top-p: the model's own) and
 a 400 naming the field elsewhere, the prompt side (computed by the worker, as in-process), and
-a watch (asked before the request, told once at the end)."""
+a watch (told each engine step's new tokens; a stop cancels the rows on the replica)."""
 
 from __future__ import annotations
 
@@ -81,8 +81,49 @@ def test_a_watch_on_vllm(pair: Any) -> None:
             self.told.append([len(s.tokens) for s in sequences])
 
     done = Watch(False)
-    out = _run(served, watch=done)
-    assert done.told == [[len(s["tokens"]) for s in _seqs(out)]]
+    out = _run(served, watch=done, params={"max_tokens": 24})
+    final = [len(s["tokens"]) for s in _seqs(out)]
+    assert final == [24, 24] and done.told[-1] == final
+    assert len(done.told) > 2  # told as the tokens come, not once at the end
+    for before, after in zip(done.told, done.told[1:]):
+        assert all(a >= b for a, b in zip(after, before, strict=True)), done.told
     early = Watch(True)
     out = _run(served, watch=early)
     assert all(s["tokens"] == [] and s["stop_reason"] == sampler.STOP_CANCELLED for s in _seqs(out))
+
+
+def test_a_watch_that_says_stop_cancels_the_rows_on_the_replica(pair: Any) -> None:
+    served, _ = pair
+    whole = _run(served, params={"max_tokens": 200})
+
+    class StopAfter:
+        """Says stop once every row has 3 tokens; records what it was told."""
+
+        def __init__(self) -> None:
+            self.told: list[list[list[int]]] = []
+
+        def stopped(self) -> bool:
+            return bool(self.told) and all(len(row) >= 3 for row in self.told[-1])
+
+        def step(self, sequences: list[sampler.Sequence]) -> None:
+            self.told.append([list(s.tokens) for s in sequences])
+
+    watch = StopAfter()
+    out = _run(served, watch=watch, params={"max_tokens": 200})
+    for got, want in zip(_seqs(out), _seqs(whole), strict=True):
+        made = len(got["tokens"])
+        assert 3 <= made < 200, made  # stopped early, keeping what it made
+        assert got["stop_reason"] == sampler.STOP_CANCELLED
+        assert got["tokens"] == want["tokens"][:made]  # greedy: the same tokens, cut short
+        torch.testing.assert_close(
+            torch.tensor(got["logprobs"]), torch.tensor(want["logprobs"][:made]), atol=0, rtol=0
+        )
+    # each step's tokens are a prefix of the final ones
+    for step in watch.told[:-1]:
+        for row, seq in zip(step, _seqs(out), strict=True):
+            assert seq["tokens"][: len(row)] == row
+    # the replica serves on, its rows freed
+    again = _run(served, params={"max_tokens": 6})
+    assert [s["tokens"] for s in _seqs(again)] == [s["tokens"][:6] for s in _seqs(whole)]
+    pool = served.resource.replicas
+    assert pool is not None and all(r.rows_in_flight == 0 for r in pool.replicas)

@@ -28,7 +28,6 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.compute.model import local_dir, resolve_dtype
 from trainer.contract.errors import OperationError
 from trainer.contract.generation import GeneratorOptions
 from trainer.engine.replica_check import (
@@ -39,8 +38,12 @@ from trainer.engine.replica_check import (
     model_type,
     unsupported,
 )
+from trainer.engine.replica_settings import replica_config
+from trainer.engine.replica_watch import RowWatch, watched
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
     from trainer.contract.specs import ModelEntry
@@ -49,9 +52,6 @@ log = logging.getLogger(__name__)
 
 SCRIPT = Path(__file__).with_name("vllm_child") / "vllm_replica.py"
 _LOG_TAIL = 2000
-
-# the adapter ranks vLLM accepts as `max_lora_rank`
-_VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def start_replicas(
@@ -90,42 +90,6 @@ def start_replicas(
     message = f"{fallback_message(kind, why)}; its samples run on the in-process loop"
     log.warning("%s", message)
     raise GeneratorFallback(message)
-
-
-def replica_config(
-    entry: ModelEntry,
-    options: GeneratorOptions,
-    *,
-    lora: bool,
-    tokenizer: bool,
-    device: torch.device,
-) -> dict[str, Any]:
-    """What each replica of `entry` starts with (`vllm_child/vllm_replica.py` reads it). Its
-    `max_lora_rank` is the generator's, else the model's, rounded up to a rank vLLM takes.
-    Its dtype is the generator's, else the trainer's own (`resolve_dtype`: the entry's, else
-    float32 on the CPU and bfloat16 on CUDA), so its logprobs are the trainer's precision."""
-    model = local_dir(entry.location, entry.revision)
-    rank = options.max_lora_rank or entry.max_lora_rank
-    dtype: str = options.dtype
-    if dtype == "auto":
-        dtype = str(resolve_dtype(entry.dtype, device)).removeprefix("torch.")
-    return {
-        "model": str(model),
-        "tokenizer": str(entry.tokenizer or model) if tokenizer else None,
-        "dtype": dtype,
-        "max_model_len": options.max_model_len or entry.max_seq_length,
-        "enforce_eager": options.enforce_eager,
-        "enable_lora": lora,
-        "max_loras": options.max_loras,
-        "max_lora_rank": next((r for r in _VLLM_RANKS if r >= rank), rank),
-        "kv_cache_gib": options.kv_cache_gib,
-        "threads": options.threads,
-        "device": device.type,
-        "gpu_memory_utilization": options.gpu_memory_utilization,
-        "trust_remote_code": entry.trust_remote_code,
-        "extra_engine_args": options.extra_engine_args,
-        "env": options.env,
-    }
 
 
 class ReplicaStartError(RuntimeError):
@@ -167,6 +131,7 @@ class Replica:
         self._conn: socket.socket | None = None
         self._send_lock = threading.Lock()
         self._pending: dict[str, Future[dict[str, Any]]] = {}
+        self._progress: dict[str, Callable[[list[Any]], None]] = {}  # watched requests
         self._pending_lock = threading.Lock()
         self._ids = itertools.count()
         self.log_path = workdir / f"replica-{index}.log"
@@ -285,14 +250,26 @@ class Replica:
 
     # -- requests --------------------------------------------------------------------------
 
-    def request(self, message: dict[str, Any]) -> Future[dict[str, Any]]:
+    def new_id(self) -> str:
+        return f"{self.index}.{next(self._ids)}"
+
+    def request(
+        self,
+        message: dict[str, Any],
+        request_id: str | None = None,
+        progress: Callable[[list[Any]], None] | None = None,
+    ) -> Future[dict[str, Any]]:
+        """The reply to `message`; a watched generate's progress lines go to `progress`
+        (called on the reading thread) before it."""
         future: Future[dict[str, Any]] = Future()
         if self.state != "HEALTHY" or self._conn is None:
             future.set_exception(ReplicaDied(f"generator replica {self.index} is {self.state}"))
             return future
-        request_id = f"{self.index}.{next(self._ids)}"
+        request_id = request_id or self.new_id()
         with self._pending_lock:
             self._pending[request_id] = future
+            if progress is not None:
+                self._progress[request_id] = progress
         line = (json.dumps({**message, "id": request_id}) + "\n").encode()
         try:
             with self._send_lock:
@@ -300,6 +277,7 @@ class Replica:
         except OSError:
             with self._pending_lock:
                 self._pending.pop(request_id, None)
+                self._progress.pop(request_id, None)
             future.set_exception(ReplicaDied(self._died_message()))
         return future
 
@@ -307,8 +285,15 @@ class Replica:
         try:
             for line in reader:
                 reply = json.loads(line)
+                request_id = str(reply.get("id"))
                 with self._pending_lock:
-                    future = self._pending.pop(str(reply.get("id")), None)
+                    if "progress" in reply:
+                        progress = self._progress.get(request_id)
+                        if progress is not None:
+                            progress(reply["progress"])
+                        continue
+                    future = self._pending.pop(request_id, None)
+                    self._progress.pop(request_id, None)
                 if future is not None and not future.done():
                     future.set_result(reply)
         except (OSError, ValueError):
@@ -327,6 +312,7 @@ class Replica:
     def _fail_pending(self, message: str) -> None:
         with self._pending_lock:
             pending, self._pending = self._pending, {}
+            self._progress.clear()
         for future in pending.values():
             if not future.done():
                 future.set_exception(ReplicaDied(message))
@@ -476,8 +462,12 @@ class ReplicaPool:
             self._every({"op": "load_weights", "path": str(path)})
         self.sync_seconds.append(time.perf_counter() - start)
 
-    def generate(self, rows: list[dict[str, Any]], params: dict[str, Any]) -> list[dict[str, Any]]:
-        """Each row's tokens, logprobs and finish reason, from one replica."""
+    def generate(
+        self, rows: list[dict[str, Any]], params: dict[str, Any], watch: RowWatch | None = None
+    ) -> list[dict[str, Any]]:
+        """Each row's tokens, logprobs and finish reason, from one replica. A `watch` is
+        told each step's new tokens and asked whether to stop, on this thread; once it says
+        stop, the rows end with what they have (finish `cancelled`)."""
         with self._lock:
             live = [r for r in self.replicas if r.state == "HEALTHY"]
             if not live:
@@ -486,7 +476,11 @@ class ReplicaPool:
             replica = min(live, key=lambda r: r.rows_in_flight)
             replica.rows_in_flight += len(rows)
         try:
-            reply = replica.request({"op": "generate", "rows": rows, "params": params}).result()
+            message = {"op": "generate", "rows": rows, "params": params}
+            if watch is None:
+                reply = replica.request(message).result()
+            else:
+                reply = watched(replica, {**message, "watch": True}, watch)
         finally:
             with self._lock:
                 replica.rows_in_flight -= len(rows)

@@ -19,9 +19,10 @@ prompt logprobs; the generation itself runs on a replica without it, so training
 sessions' samples go on meanwhile, and vLLM batches concurrent samples of any sessions
 (continuous batching: each returns when its own rows are done). Per generated token, the top
 k are vLLM's `logprobs=k` (raw logprobs); sampling logprobs only where exact
-(`_check_servable`); a watch is asked before the request and told once at the end. A failed
-generation puts the session back as it was (RNG stream, versions, the pending publish). Design
-notes: `docs/design/vllm.md`.
+(`_check_servable`); a watch is asked before the request, then told each engine step's new
+tokens and asked again (`replica_watch.py`): once it says stop, the replica cancels the rows,
+which keep what they made. A failed generation puts the session back as it was (RNG stream,
+versions, the pending publish). Design notes: `docs/design/vllm.md`.
 """
 
 from __future__ import annotations
@@ -238,7 +239,8 @@ class VllmGenerator(InProcessGenerator):
             "stop_token_ids": sorted(call.eos_ids),
             "top_logprobs": call.params.top_logprobs,
         }
-        got = self.pool.generate(rows, params)
+        progress = None if watch is None else _Progress(watch, len(rows))
+        got = self.pool.generate(rows, params, progress)
         groups: list[list[sampler.Sequence]] = []
         for i in range(len(call.prompts)):
             group = []
@@ -248,12 +250,32 @@ class VllmGenerator(InProcessGenerator):
                         "NON_FINITE_LOSS",
                         "the session's published weights give non-finite logits",
                     )
-                stopped = row["finish"] == "stop"
-                group.append(_sequence(row, call, sampler.STOP_STOP if stopped else None))
+                group.append(_sequence(row, call, _STOPS.get(row["finish"])))
             groups.append(group)
         if watch is not None:
-            watch.step([seq for group in groups for seq in group])  # once, when done
+            watch.step([seq for group in groups for seq in group])  # the whole rows, at the end
         return groups
+
+
+_STOPS = {"stop": sampler.STOP_STOP, "cancelled": sampler.STOP_CANCELLED}
+
+
+class _Progress:
+    """A sample's watch as the replica pool tells it (`replica_watch.RowWatch`): each step's
+    new tokens go into live sequences, which the watch is told."""
+
+    def __init__(self, watch: sampler.SampleWatch, rows: int) -> None:
+        self.watch = watch
+        self.live = [sampler.Sequence() for _ in range(rows)]
+
+    def progress(self, rows: list[Any]) -> None:
+        for row, tokens, logprobs in rows:
+            self.live[row].tokens.extend(tokens)
+            self.live[row].logprobs.extend(logprobs)
+        self.watch.step(self.live)
+
+    def stopped(self) -> bool:
+        return self.watch.stopped()
 
 
 def _check_servable(call: SampleCall) -> None:

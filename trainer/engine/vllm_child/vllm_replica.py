@@ -13,7 +13,13 @@ object per line each way. Requests carry an `id` that their reply repeats:
   one vLLM request; the reply comes once all rows of this request are done, so a short job
   never waits for a long one (continuous batching). `{"rows": [{"tokens", "logprobs",
   "finish", "top"}]}` (`top`: with `params.top_logprobs` k, each token's ranked ids and
-  logprobs, the k most likely first; else null).
+  logprobs, the k most likely first; else null). With `"watch": true`, each engine step that
+  makes tokens for the request's unfinished rows also writes `{"id", "progress": [[row,
+  tokens, logprobs], ...]}` (the new tokens only) before the reply, and the request can be
+  cancelled.
+- `{"op": "cancel", "job": ID}`: the watched request `ID` ends at the next step: its
+  unfinished rows stop with the tokens they have (`"finish": "cancelled"`), its reply comes
+  then; answers `{"ok": true}` (also when `ID` has already ended).
 - `{"op": "load_adapter", "adapter": {"name", "id", "path"}}` / `{"op": "drop_adapter", "id"}`:
   a PEFT adapter directory in and out of the engine. A row names its adapter the same way, so
   an adapter vLLM evicted from its cache is read again from its path, never missing.
@@ -108,6 +114,24 @@ def _top(position: dict[int, Any]) -> tuple[list[int], list[float]]:
     return [int(t) for t, _ in ranked], [float(lp.logprob) for _, lp in ranked]
 
 
+def _made() -> dict[str, Any]:
+    return {"tokens": [], "logprobs": [], "top": []}
+
+
+def _extend(made: dict[str, Any], seq: Any, top: bool) -> tuple[list[int], list[float]]:
+    """A watched row's new tokens and their logprobs since the last step (vLLM's outputs
+    are cumulative), also added to `made`."""
+    start = len(made["tokens"])
+    tokens = [int(t) for t in seq.token_ids[start:]]
+    positions = list(seq.logprobs or [])[start : start + len(tokens)]
+    logprobs = [float(lp[t].logprob) for lp, t in zip(positions, tokens)]
+    made["tokens"] += tokens
+    made["logprobs"] += logprobs
+    if top:
+        made["top"] += [_top(lp) for lp in positions]
+    return tokens, logprobs
+
+
 class Replica:
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = config
@@ -182,6 +206,11 @@ class Replica:
             (count,) = self.engine.collective_rpc("trainer_load_weights", args=(message["path"],))
             self.engine.reset_prefix_cache()
             return {"ok": True, "tensors": count, "seconds": time.perf_counter() - start}
+        if op == "cancel":
+            job = self.jobs.get(str(message.get("job")))
+            if job is not None and job["watch"]:
+                job["cancelled"] = True
+            return {"ok": True}
         if op == "health":
             return {"ok": True, "running": len(self.jobs), "pending": len(self.pending)}
         return {"error": f"unknown op {op!r}"}
@@ -208,6 +237,9 @@ class Replica:
             "rows": [None] * len(rows),
             "error": None,
             "top": bool(p.get("top_logprobs")),
+            "watch": bool(message.get("watch")),
+            "made": [_made() for _ in rows],  # watched rows: what each has generated so far
+            "cancelled": False,
         }
         for r, row in enumerate(rows):
             params = SamplingParams(
@@ -258,15 +290,20 @@ class Replica:
             job["error"] = error
 
     def step(self) -> list[dict[str, Any]]:
-        """One engine step; the replies of the jobs whose rows are now all done."""
+        """One engine step; the progress of watched jobs, then the replies of the jobs whose
+        rows are now all done (or that were cancelled)."""
         replies = []
+        progress: dict[str, list[list[Any]]] = {}
         for out in self.engine.step():
-            if not out.finished:
-                continue
-            row_id = out.request_id
-            self.row_adapter.pop(row_id, None)
-            job_id, _, index = row_id.rpartition("#")
+            job_id, _, index = out.request_id.rpartition("#")
             job = self.jobs.get(job_id)
+            if not out.finished:
+                if job is not None and job["watch"]:
+                    tokens, logprobs = _extend(job["made"][int(index)], out.outputs[0], job["top"])
+                    if tokens:
+                        progress.setdefault(job_id, []).append([int(index), tokens, logprobs])
+                continue
+            self.row_adapter.pop(out.request_id, None)
             if job is None:
                 continue
             (seq,) = out.outputs
@@ -280,9 +317,22 @@ class Replica:
                 "stop_reason": seq.stop_reason if isinstance(seq.stop_reason, int) else None,
             }
             job["left"] -= 1
-        for job_id in [j for j, job in self.jobs.items() if job["left"] <= 0 or job["error"]]:
+        replies += [{"id": job_id, "progress": rows} for job_id, rows in progress.items()]
+        ended = [j for j, job in self.jobs.items() if job["left"] <= 0 or job["error"]]
+        for job_id in ended + [j for j, job in self.jobs.items() if job["cancelled"]]:
+            if job_id not in self.jobs:
+                continue
             job = self.jobs.pop(job_id)
-            if job["error"]:
+            if job["cancelled"] and not job["error"] and job["left"] > 0:
+                self._drop_rows(job_id)
+                rows = job["rows"]
+                for r, row in enumerate(rows):
+                    if row is None:
+                        made = job["made"][r]
+                        top = made["top"] if job["top"] else None
+                        rows[r] = {**made, "top": top, "finish": "cancelled", "stop_reason": None}
+                replies.append({"id": job_id, "rows": rows})
+            elif job["error"]:
                 self._drop_rows(job_id)
                 replies.append({"id": job_id, "error": job["error"]})
             else:
