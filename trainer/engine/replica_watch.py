@@ -4,10 +4,9 @@ cancellation (`vllm_child/vllm_replica.py`'s `watch` and `cancel`)."""
 from __future__ import annotations
 
 import queue
-from typing import TYPE_CHECKING, Any, Protocol
-
-if TYPE_CHECKING:
-    from trainer.engine.replicas import Replica
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, Protocol
 
 WATCH_POLL_S = 0.05  # how often a watched sample with no new tokens asks its watch
 
@@ -21,7 +20,21 @@ class RowWatch(Protocol):
     def stopped(self) -> bool: ...
 
 
-def watched(replica: Replica, message: dict[str, Any], watch: RowWatch) -> dict[str, Any]:
+class Requests(Protocol):
+    """What a watched sample needs of its replica (`replicas.Replica`), named here so this
+    module never imports the pool that imports it."""
+
+    def new_id(self) -> str: ...
+
+    def request(
+        self,
+        message: dict[str, Any],
+        request_id: str | None = None,
+        progress: Callable[[list[Any]], None] | None = None,
+    ) -> Future[dict[str, Any]]: ...
+
+
+def watched(replica: Requests, message: dict[str, Any], watch: RowWatch) -> dict[str, Any]:
     """A generate request whose progress `watch` sees on this thread (the replica's reader
     only queues it), cancelled once the watch says stop."""
     updates: queue.SimpleQueue[list[Any]] = queue.SimpleQueue()
