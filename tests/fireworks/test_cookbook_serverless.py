@@ -105,3 +105,103 @@ def test_countdown_rl_runs_on_the_serverless_surface(
         if r["train/trained"]:
             assert r["train/loss"] is None or math.isfinite(r["train/loss"]), r
         assert 0.0 <= r["rollout/raw_reward"] <= 1.0, r
+
+
+DPO_RUNNER = HERE / "dpo_runner.py"
+DPO_STEPS = 4
+
+
+def preference_rows() -> list[dict[str, Any]]:
+    """Eight pairs in the three-message shape the example reads: a question, an answer that
+    names a number (chosen) and one that rambles (rejected). The last two are held out."""
+    questions = ["what is two plus three ?", "what is the answer ?", "hello , what is 2 ?"]
+    chosen = ["five", "3", "2", "4"]
+    rejected = ["the cat sat on a mat", "hello world", "the mat", "a cat sat"]
+    rows = []
+    for i in range(8):
+        user = {"role": "user", "content": questions[i % 3]}
+        rows.append(
+            {
+                "chosen": {"messages": [user, {"role": "assistant", "content": chosen[i % 4]}]},
+                "rejected": {"messages": [user, {"role": "assistant", "content": rejected[i % 4]}]},
+            }
+        )
+    return rows
+
+
+def run_dpo(
+    cookbook_py: Path, server: LiveServer, spec: dict[str, Any], cwd: Path
+) -> tuple[dict[str, Any], str]:
+    proc = subprocess.run(
+        [str(cookbook_py), str(DPO_RUNNER), json.dumps(spec)],
+        env=fw_env(server),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=cwd,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    report: dict[str, Any] = json.loads(lines[-1]) if lines else {}
+    if proc.returncode != 0 or "records" not in report:
+        calls = "\n".join(report.get("calls", [])[-15:])
+        raise AssertionError(
+            f"ultrafeedback_dpo failed: {report.get('error', f'exit {proc.returncode}')}\n"
+            f"--- last calls\n{calls}\n--- traceback\n{report.get('traceback', '')[-4000:]}\n"
+            f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+        )
+    assert not [c for c in report["calls"] if re.search(r"HTTP/\S+ 5\d\d", c)], report["calls"]
+    return report, proc.stdout
+
+
+def test_dpo_runs_on_the_serverless_surface_and_resumes(
+    cookbook_py: Path,
+    cookbook: Path,
+    countdown_server: LiveServer,
+    countdown_model: Path,
+    tmp_path: Path,
+) -> None:
+    """`ultrafeedback_dpo.py` as written: a step-0 sampler snapshot serves the frozen
+    reference's `compute_logprobs`, `forward_backward_custom` takes the DPO loss, `save_state`
+    every two steps, a held-out `forward` before and after, the final sampler checkpoint
+    sampled beside the reference, listed on the session and promoted; then a new process
+    resumes the printed checkpoint.
+
+    At the first step of a run the policy is the reference (a zero-initialised LoRA; on resume,
+    the weights the reference snapshot was taken of), so the DPO loss is ln 2 to float
+    precision only if the sampler's logprobs of a checkpoint equal the trainer's forward."""
+    dataset = tmp_path / "preferences.jsonl"
+    dataset.write_text("".join(json.dumps(row) + "\n" for row in preference_rows()))
+    spec = {
+        "cookbook": str(cookbook),
+        "base_model": MODEL,
+        "tokenizer": str(countdown_model),
+        "dataset": str(dataset),
+        "run_dir": str(tmp_path / "run"),
+        "steps": DPO_STEPS,
+        "batch_size": 2,
+        "learning_rate": 2e-2,
+        "dcp_save_interval": 2,
+        "eval_pairs": 2,
+    }
+    report, stdout = run_dpo(cookbook_py, countdown_server, spec, tmp_path)
+    records = report["records"]
+    assert [r["step"] for r in records] == list(range(DPO_STEPS)), records
+    first, last = records[0], records[-1]
+    assert first["train/dpo_loss"] == pytest.approx(math.log(2), abs=1e-4), first
+    assert first["train/margin"] == pytest.approx(0.0, abs=1e-3), first
+    assert last["train/dpo_loss"] < first["train/dpo_loss"], records
+    assert last["train/margin"] > 0, records
+    delta = re.search(r"held-out preference margin after training: .*\(delta ([-+.\d]+)\)", stdout)
+    assert delta and float(delta.group(1)) > 0, stdout[-2000:]  # the held-out pairs learnt too
+    assert "promoted model: accounts/" in stdout, stdout[-2000:]
+    assert "=== generation comparison ===" in stdout, stdout[-2000:]
+    resume = re.search(r"--resume-from (\S+/dpo-0004)", stdout)
+    assert resume, stdout[-2000:]
+
+    again = dict(spec, steps=1, run_dir=str(tmp_path / "resumed"), resume_from=resume.group(1))
+    report, stdout = run_dpo(cookbook_py, countdown_server, again, tmp_path)
+    [step] = report["records"]
+    assert step["step"] == DPO_STEPS, step  # the step counter and data cursor go on
+    # the reference re-anchors at the resumed weights: the loss is ln 2 again, so the resumed
+    # policy is exactly the saved one
+    assert step["train/dpo_loss"] == pytest.approx(math.log(2), abs=1e-4), step

@@ -93,6 +93,13 @@ def test_the_sdk_trains_and_samples_on_the_serverless_surface(
         )
         assert out["standalone_gap"] <= 1e-3, out["standalone_gap"]
     assert "lora_config.rank" in out["full_parameter"], out["full_parameter"]
+    # resumed by the path save_state returned: the same weights, and the same optimizer (one
+    # more step on both agrees, where a fresh optimizer's does not)
+    assert out["state"] == f"alice/{run_id}/resume-1", out["state"]
+    assert RUN.fullmatch(out["resumed_run"]) and out["resumed_run"] != run_id, out
+    assert out["resume_gap"] <= 1e-6, out["resume_gap"]
+    assert out["resume_step_gap"] <= 1e-6, out["resume_step_gap"]
+    assert out["fresh_optimizer_gap"] > 1e-3, out["fresh_optimizer_gap"]
 
 
 @pytest.fixture(scope="module")
@@ -118,16 +125,20 @@ def test_the_session_on_the_control_plane(live: LiveServer, sdk_run: dict[str, A
     assert listing.status_code == 200, listing.text
     rows = listing.json()["checkpoints"]
     names = [row["name"].rsplit("/", 1)[-1] for row in rows]
-    wanted = [f"{run_id}-{p.split('/')[-1]}" for p in [*out["paths"], out["final"]]]
+    saved = [*out["paths"], out["final"], out["state"]]
+    wanted = [f"{run_id}-{p.split('/')[-1]}" for p in saved]
     assert names == wanted, names
-    assert all(r["checkpointType"] == "CHECKPOINT_TYPE_INFERENCE_LORA" for r in rows), rows
-    assert all(r["promotable"] for r in rows), rows
+    *sampler_rows, state_row = rows
+    assert all(r["checkpointType"] == "CHECKPOINT_TYPE_INFERENCE_LORA" for r in sampler_rows)
+    assert all(r["promotable"] for r in sampler_rows), rows
+    assert state_row["checkpointType"] == "CHECKPOINT_TYPE_TRAINING_LORA", state_row
+    assert not state_row["promotable"], state_row
     assert all(r["name"].startswith(f"accounts/alice/trainingSessions/{session}/") for r in rows)
 
     # a row's name samples too, and promotion serves it as a model of the account
     completion = {"prompt": [10, 11, 12], "max_tokens": 3, "temperature": 0.0, "logprobs": True}
     by_row = alice.post(
-        f"{BASE}/inference/v1/completions", json={**completion, "model": rows[-1]["name"]}
+        f"{BASE}/inference/v1/completions", json={**completion, "model": sampler_rows[-1]["name"]}
     )
     by_path = alice.post(
         f"{BASE}/inference/v1/completions",
@@ -142,14 +153,15 @@ def test_the_session_on_the_control_plane(live: LiveServer, sdk_run: dict[str, A
     assert row_lps == pytest.approx(path_lps, abs=1e-6)
     model_id = f"sl-{uuid.uuid4().hex[:8]}"
     promoted = alice.post(
-        f"/v1/{rows[-1]['name']}:promote",
+        f"/v1/{sampler_rows[-1]['name']}:promote",
         json={"output_model": f"accounts/alice/models/{model_id}", "base_model": QWEN},
     )
     assert promoted.status_code == 200, promoted.text
     model = promoted.json()["model"]
-    assert model["kind"] == "HF_PEFT_ADDON" and model["checkpoint"] == rows[-1]["name"], model
+    assert model["kind"] == "HF_PEFT_ADDON", model
+    assert model["checkpoint"] == sampler_rows[-1]["name"], model
     again = alice.post(
-        f"/v1/{rows[-1]['name']}:promote",
+        f"/v1/{sampler_rows[-1]['name']}:promote",
         json={"output_model": f"accounts/alice/models/{model_id}", "base_model": QWEN},
     )
     assert again.status_code == 409 and error(again)["param"] == "output_model"
@@ -266,8 +278,18 @@ def test_another_accounts_session_answers_as_a_missing_one(
     pair("POST", f"{BASE}/api/v1/create_model", session_id="{s}", model_seq_id=0, base_model=QWEN)
     pair("POST", f"{BASE}/api/v1/session_heartbeat", session_id="{s}")
     pair("POST", f"{BASE}/api/v1/optim_step", model_id="{r}:train:0")
+    # a saved state's path, described: alice's is to bob what a name never saved is
+    state, never = out["state"], f"alice/{missing_run}/resume-1"
+    a = bob.post(f"{BASE}/api/v1/weights_info", json={"tinker_path": state})
+    b = bob.post(f"{BASE}/api/v1/weights_info", json={"tinker_path": never})
+    assert a.status_code == 400 and error(a)["param"] == "tinker_path", a.text
+    assert _masked(a, state) == _masked(b, never), (a.text, b.text)
+    mine = alice_client = client(live, "alice")
+    info = mine.post(f"{BASE}/api/v1/weights_info", json={"tinker_path": state})
+    assert info.status_code == 200 and info.json()["base_model"] == out["base_model"], info.text
+    assert info.json()["lora_rank"] == 4, info.text
     # alice's session and checkpoints are untouched
-    alice = client(live, "alice")
+    alice = alice_client
     listing = alice.get(f"/v1/accounts/alice/trainingSessions/{session}/checkpoints")
     assert listing.status_code == 200 and listing.json()["checkpoints"], listing.text
 
@@ -287,4 +309,4 @@ def test_deleting_a_session_ends_it_and_keeps_its_checkpoints(
     step = alice.post(f"{BASE}/api/v1/optim_step", json={"model_id": out["model_id"]})
     assert step.status_code == 400 and error(step)["param"] == "model_id", step.text
     listing = alice.get(f"/v1/accounts/alice/trainingSessions/{session}/checkpoints")
-    assert len(listing.json()["checkpoints"]) == STEPS + 1, listing.text
+    assert len(listing.json()["checkpoints"]) == STEPS + 2, listing.text

@@ -13,8 +13,10 @@ sample at the same weights (the largest gap is recorded), group-relative advanta
 (the share of completion tokens below `GOOD_BELOW`), `forward_backward("importance_sampling")`,
 `optim_step`, and the policy-gradient surrogate of the batch before and after. On the SDK line
 that has it (1.2.30), a second service with no model samples the final checkpoint as a
-standalone sampler (`create_sampling_route` first). Last, `create_training_client(lora_rank=0)`
-on the surface: its error text is recorded.
+standalone sampler (`create_sampling_route` first). Then `save_state` and
+`create_training_client_from_state_with_optimizer` by the path it returned, against the policy
+before and after one more step, and a `load_state` (fresh optimizer) beside them.
+Last, `create_training_client(lora_rank=0)` on the surface: its error text is recorded.
 
 Prints one JSON object.
 """
@@ -74,6 +76,12 @@ def completion_logprobs(
     return [list(o["logprobs"].data[len(prompt) - 1 :]) for o in out.loss_fn_outputs]
 
 
+def max_gap(one, other, tokens: list[int]) -> float:
+    """The largest difference of two models' logprobs of `tokens` (their `forward`)."""
+    a, b = (completion_logprobs(m, tokens[:1], [tokens[1:]])[0] for m in (one, other))
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
 def surrogate(lps: list[list[float]], advantages: list[float]) -> float:
     return -sum(a * sum(lp) for lp, a in zip(lps, advantages, strict=True))
 
@@ -87,6 +95,7 @@ def main() -> None:
     service = FiretitanServiceClient(base_url=base_url, api_key=key)
     policy = service.create_lora_training_client(base_model, rank=4, seed=0)
     report: dict = {
+        "base_model": base_model,
         "session_id": service.training_session_id,
         "session_name": service.training_session_name,
         "model_id": policy.model_id,
@@ -140,6 +149,24 @@ def main() -> None:
         lps = completion_logprobs(policy, PROMPT, [list(one.tokens)])[0]
         report["standalone_gap"] = max(abs(x - y) for x, y in zip(one.logprobs, lps))
         sampler.close()
+
+    # resume by the path `save_state` returned (`weights_info`, then `load_state_with_optimizer`
+    # on a new run), the way the cookbook's DPO example resumes; then one more identical step on
+    # both, which agrees only if the optimizer's moments came back with the weights
+    state = policy.save_state("resume-1").result().path
+    resumed = service.create_training_client_from_state_with_optimizer(state)
+    report.update(state=state, resumed_run=resumed.run_id)
+    report["resume_gap"] = max_gap(policy, resumed, probe)
+    for trained in (policy, resumed):
+        trained.forward_backward([ce_datum(probe)], "cross_entropy").result()
+        trained.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    report["resume_step_gap"] = max_gap(policy, resumed, probe)
+    elsewhere = FiretitanServiceClient(base_url=base_url, api_key=key)  # one trainer a service
+    fresh = elsewhere.create_lora_training_client(base_model, rank=4, seed=0)
+    fresh.load_state(state).result()  # weights alone: a fresh optimizer
+    fresh.forward_backward([ce_datum(probe)], "cross_entropy").result()
+    fresh.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    report["fresh_optimizer_gap"] = max_gap(policy, fresh, probe)
 
     try:
         service.create_training_client(base_model=base_model, lora_rank=0)

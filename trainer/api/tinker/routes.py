@@ -21,8 +21,8 @@ from pydantic import BaseModel, ValidationError
 
 from trainer.api.auth import principal_of
 from trainer.api.http import json_object
-from trainer.api.tinker import convert, models, paths, proto
-from trainer.api.tinker.binding import binding_of
+from trainer.api.tinker import convert, models, names, paths, proto
+from trainer.api.tinker.binding import Binding, binding_of
 from trainer.api.tinker.bridge import TinkerBridge
 from trainer.api.tinker.identity import RequestKey, body_digest
 from trainer.api.tinker.records import DONE, FAILED, TinkerModel, TinkerSession
@@ -34,6 +34,7 @@ from trainer.api.tinker.requests import (
     SessionRef,
     WeightsInfo,
 )
+from trainer.checkpoint.store import CheckpointRecord
 from trainer.serving.catalogue import SES_RUNNING, SessionRow
 from trainer.serving.errors import ApiError, from_pydantic
 from trainer.serving.ownership import owned
@@ -299,12 +300,26 @@ async def get_info(request: Request) -> dict[str, Any]:
     return model_info(bridge, get_model(bridge, body.model_id, principal_of(request)))
 
 
+def described(
+    bridge: TinkerBridge, path: str, who: Principal, binding: Binding | None
+) -> CheckpointRecord:
+    """The checkpoint `weights_info` describes: a tinker path, or a logical name as a load
+    takes it (`names`; the Fireworks SDK asks with the path a save returned before it resumes
+    from it in `create_training_client_from_state_with_optimizer`)."""
+    if not names.is_logical(path):
+        return paths.resolve(bridge, path, "tinker_path", who)
+    account = names.account_of(who, binding)
+    scope = binding.scope if binding is not None else None
+    return names.resolve(bridge, path, "tinker_path", who, account, scope)[1]
+
+
 @router.post("/weights_info")
 async def weights_info(request: Request) -> dict[str, Any]:
     body: WeightsInfo = await parse(request, WeightsInfo)
     bridge = bridge_of(request)
     who = principal_of(request)
-    record = await run_in_threadpool(paths.resolve, bridge, body.tinker_path, "tinker_path", who)
+    binding = binding_of(request)
+    record = await run_in_threadpool(described, bridge, body.tinker_path, who, binding)
     return {
         "base_model": record.base_model,
         "optimizer_config": {"type": "adamw"},
