@@ -1,7 +1,8 @@
-"""The Fireworks training cookbook's serverless RL example,
-`training/examples/serverless_rl/countdown_rl.py`, unchanged, against the worker's serverless
-surface (`countdown_runner.py`; skipped where the cookbook is not at hand, as
-`test_cookbook.py` is).
+"""The Fireworks training cookbook's serverless examples, unchanged, against the worker's
+serverless surface (skipped where the cookbook is not at hand, as `test_cookbook.py` is): the
+RL example `training/examples/serverless_rl/countdown_rl.py` (`countdown_runner.py`) and the
+DPO example `training/examples/serverless_dpo/ultrafeedback_dpo.py` (`dpo_runner.py`; its test
+says what it checks).
 
 The example's own Countdown rows (bundled with it), a tiny near-uniform model whose vocabulary
 holds one `<answer>7</answer>` token: a completion earns the format reward (0.5) when it
