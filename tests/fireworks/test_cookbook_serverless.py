@@ -1,8 +1,9 @@
 """The Fireworks training cookbook's serverless examples, unchanged, against the worker's
 serverless surface (skipped where the cookbook is not at hand, as `test_cookbook.py` is): the
-RL example `training/examples/serverless_rl/countdown_rl.py` (`countdown_runner.py`) and the
-DPO example `training/examples/serverless_dpo/ultrafeedback_dpo.py` (`dpo_runner.py`; its test
-says what it checks).
+RL example `training/examples/serverless_rl/countdown_rl.py` (`countdown_runner.py`), the
+DPO example `training/examples/serverless_dpo/ultrafeedback_dpo.py` (`dpo_runner.py`) and the
+async RL recipe `training/recipes/experiment/async_rl_loop_serverless.py` (`async_runner.py`);
+each test says what it checks.
 
 The example's own Countdown rows (bundled with it), a tiny near-uniform model whose vocabulary
 holds one `<answer>7</answer>` token: a completion earns the format reward (0.5) when it
@@ -21,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.api.conftest import LiveServer, serve_in_thread
@@ -206,3 +208,101 @@ def test_dpo_runs_on_the_serverless_surface_and_resumes(
     # the reference re-anchors at the resumed weights: the loss is ln 2 again, so the resumed
     # policy is exactly the saved one
     assert step["train/dpo_loss"] == pytest.approx(math.log(2), abs=1e-4), step
+
+
+ASYNC_RUNNER = HERE / "async_runner.py"
+ASYNC_ROWS = 4
+
+
+def run_async(
+    cookbook_py: Path, server: LiveServer, spec: dict[str, Any], cwd: Path
+) -> dict[str, Any]:
+    proc = subprocess.run(
+        [str(cookbook_py), str(ASYNC_RUNNER), json.dumps(spec)],
+        env=fw_env(server),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=cwd,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    report: dict[str, Any] = json.loads(lines[-1]) if lines else {}
+    if proc.returncode != 0 or "result" not in report:
+        raise AssertionError(
+            f"async_rl_loop_serverless failed: {report.get('error', f'exit {proc.returncode}')}"
+            f"\n--- traceback\n{report.get('traceback', '')[-4000:]}"
+            f"\n--- stderr\n{proc.stderr[-3000:]}"
+        )
+    return report
+
+
+def trained_steps(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The recipe's per-step training records, in step order."""
+    return [m for m in report["metrics"] if "train/step" in m and "train/grad_norm" in m]
+
+
+def test_async_rl_runs_on_the_serverless_surface_and_resumes(
+    cookbook_py: Path,
+    cookbook: Path,
+    countdown_server: LiveServer,
+    countdown_model: Path,
+    tmp_path: Path,
+) -> None:
+    """`recipes/experiment/async_rl_loop_serverless.py` as written, its defaults but the loop's
+    size (`async_runner.py`): each step samples the snapshot the step before published, takes
+    the client-side GRPO loss with the old policy's `forward` as anchor and the raw inference
+    logprobs checked against it, an optimizer step, and a `save_state` every two steps; then a
+    new process resumes from the step-2 state (`init_from_checkpoint`, `step_offset`)."""
+    spec = {
+        "cookbook": str(cookbook),
+        "base_model": MODEL,
+        "tokenizer": str(countdown_model),
+        "run_dir": str(tmp_path / "run"),
+        "rows": ASYNC_ROWS,
+        "group_size": GROUP,
+        "max_completion_tokens": 8,
+        "learning_rate": 2e-2,
+        "dcp_save_interval": 2,
+    }
+    report = run_async(cookbook_py, countdown_server, spec, tmp_path)
+    result = report["result"]
+    assert (result["steps"], result["accepted_groups"], result["resolved_rows"]) == (4, 4, 4)
+    session, run = result["training_session"], result["training_run"].rsplit("/", 1)[-1]
+    account = session.split("/")[1]
+    states = [f"{account}/{run}/async-rl-state-step-{s}" for s in (2, 4)]
+    assert result["periodic_training_checkpoints"] == states, result
+    assert result["final_training_checkpoint"] == states[-1], result
+    steps = trained_steps(report)
+    assert [m["train/step"] for m in steps] == [1, 2, 3, 4], steps
+    for m in steps:
+        # each step trains on rollouts of the version just published (one snapshot a step),
+        # whose raw logprobs are the trainer's forward at those weights
+        assert m["async/trained_against_version"] == m["train/step"] - 1, m
+        assert m["train/raw_inference_logprob_coverage"] == 1.0, m
+        assert abs(m["train/inference_k1"]) <= 1e-4 and m["train/inference_k3"] <= 1e-4, m
+        assert math.isfinite(m["train/grad_norm"]) and m["train/grad_norm"] > 0, m
+
+    # the session on the control plane: a sampler snapshot a version, the two states
+    listing = httpx.get(
+        f"{countdown_server.url}/v1/{session}/checkpoints",
+        headers={"Authorization": f"Bearer {countdown_server.token}"},
+    )
+    assert listing.status_code == 200, listing.text
+    kinds = [row["checkpointType"] for row in listing.json()["checkpoints"]]
+    assert kinds.count("CHECKPOINT_TYPE_INFERENCE_LORA") == 5, kinds
+    assert kinds.count("CHECKPOINT_TYPE_TRAINING_LORA") == 2, kinds
+
+    # a new process resumes from the step-2 state: steps 3 and 4 again, on the same rows
+    resumed = dict(
+        spec,
+        run_dir=str(tmp_path / "resumed"),
+        init_from_checkpoint=states[0],
+        step_offset=2,
+        resolved_rows_offset=2,
+    )
+    report = run_async(cookbook_py, countdown_server, resumed, tmp_path)
+    result = report["result"]
+    assert (result["steps"], result["accepted_groups"], result["resolved_rows"]) == (4, 4, 4)
+    steps = trained_steps(report)
+    assert [m["train/step"] for m in steps] == [3, 4], steps
+    assert all(abs(m["train/inference_k1"]) <= 1e-4 for m in steps), steps
