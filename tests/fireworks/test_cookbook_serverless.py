@@ -2,8 +2,9 @@
 serverless surface (skipped where the cookbook is not at hand, as `test_cookbook.py` is): the
 RL example `training/examples/serverless_rl/countdown_rl.py` (`countdown_runner.py`), the
 DPO example `training/examples/serverless_dpo/ultrafeedback_dpo.py` (`dpo_runner.py`) and the
-async RL recipe `training/recipes/experiment/async_rl_loop_serverless.py` (`async_runner.py`);
-each test says what it checks.
+async RL recipe `training/recipes/experiment/async_rl_loop_serverless.py` (`async_runner.py`)
+and the distillation example `training/examples/distillation/serverless_k3_privileged/`
+(`distill_runner.py`); each test says what it checks.
 
 The example's own Countdown rows (bundled with it), a tiny near-uniform model whose vocabulary
 holds one `<answer>7</answer>` token: a completion earns the format reward (0.5) when it
@@ -306,3 +307,78 @@ def test_async_rl_runs_on_the_serverless_surface_and_resumes(
     steps = trained_steps(report)
     assert [m["train/step"] for m in steps] == [3, 4], steps
     assert all(abs(m["train/inference_k1"]) <= 1e-4 for m in steps), steps
+
+
+DISTILL_RUNNER = HERE / "distill_runner.py"
+
+
+def test_privileged_distillation_runs_on_the_serverless_surface(
+    cookbook_py: Path,
+    cookbook: Path,
+    countdown_server: LiveServer,
+    countdown_model: Path,
+    tmp_path: Path,
+) -> None:
+    """`train_serverless_k3_privileged.py` as written (`distill_runner.py`): a step-0 sampler
+    snapshot as the frozen teacher, scored with `compute_logprobs` under the privileged
+    prompt; each step a fresh student snapshot sampled, the reverse-KL advantages of the
+    cookbook's `build_opd_server_datums`, an `importance_sampling` step. The teacher snapshot
+    then samples as the session's base model does (a zero LoRA), the final student does not."""
+    steps, groups = 3, 2
+    spec = {
+        "cookbook": str(cookbook),
+        "base_model": MODEL,
+        "tokenizer": str(countdown_model),
+        "run_dir": str(tmp_path / "run"),
+        "steps": steps,
+        "prompt_groups": groups,
+        "group_size": GROUP,
+        "max_completion_tokens": 12,
+        "learning_rate": 1e-2,
+    }
+    proc = subprocess.run(
+        [str(cookbook_py), str(DISTILL_RUNNER), json.dumps(spec)],
+        env=fw_env(countdown_server),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith('{"metrics"')]
+    report: dict[str, Any] = json.loads(lines[-1]) if lines else {}
+    if proc.returncode != 0 or "error" in report or not report:
+        raise AssertionError(
+            f"train_serverless_k3_privileged failed: {report.get('error', proc.returncode)}\n"
+            f"{report.get('traceback', '')[-4000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+        )
+    records = report["metrics"]
+    assert [r["step"] for r in records] == list(range(steps)), records
+    for r in records:
+        assert r["train/trained"] and r["rollout/scored_completions"] == groups * GROUP, r
+        assert math.isfinite(r["train/loss"]), r
+        assert math.isfinite(r["opd/opd_sampled_reverse_kl"]), r
+    saved = report["checkpoints"]
+    teacher = [c["path"] for c in saved["checkpoints"] if c["role"] == "teacher"]
+    students = [c["path"] for c in saved["checkpoints"] if c["role"] == "student"]
+    assert len(teacher) == 1 and len(students) == steps + 1, saved  # and the final one
+    assert [r["student_snapshot"] for r in records] == students[:steps], (records, saved)
+
+    session = saved["session"]
+    http = httpx.Client(
+        base_url=countdown_server.url,
+        headers={"Authorization": f"Bearer {countdown_server.token}"},
+        timeout=120,
+    )
+
+    def logprobs(model: str) -> list[float]:
+        body = {"model": model, "prompt": [10, 11, 12], "max_tokens": 4, "temperature": 0.0}
+        r = http.post(
+            "/training/v1/serverless/inference/v1/completions", json={**body, "logprobs": True}
+        )
+        assert r.status_code == 200, r.text
+        return [c["logprob"] for c in r.json()["choices"][0]["logprobs"]["content"]]
+
+    base = logprobs(session)
+    assert logprobs(f"{session}/checkpoints/{teacher[0]}") == pytest.approx(base, abs=1e-5)
+    final = logprobs(f"{session}/checkpoints/{students[-1]}")
+    assert max(abs(a - b) for a, b in zip(final, base, strict=True)) > 1e-4, (final, base)
