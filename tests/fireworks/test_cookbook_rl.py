@@ -1,5 +1,6 @@
-"""The Fireworks training cookbook's GRPO recipe, `recipes/rl_loop.py`, unchanged, against the
-worker: a trainer job, a deployment hot-loaded with the policy's sampler weights before the
+"""The Fireworks training cookbook's GRPO recipes, `recipes/rl_loop.py` and
+`recipes/async_rl_loop.py` (its own test says what it checks), unchanged, against the worker.
+`rl_loop.py`: a trainer job, a deployment hot-loaded with the policy's sampler weights before the
 first rollout and after every step, rollouts sampled through the token-in completions route,
 a base-model reference for the KL term (LoRA: `base_only` on the policy's job; full weights: a
 second, forward-only job), the client-side GRPO loss, and the final checkpoint.
@@ -14,6 +15,7 @@ control plane).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +25,7 @@ import pytest
 
 from tests.api.conftest import LiveServer, serve_in_thread
 from tests.fireworks.test_cookbook import LORA_RANK, finite, run_phase, series
+from tests.fireworks.test_cookbook_serverless import run_async
 from tests.tinker.conftest import build_served_model
 
 pytestmark = pytest.mark.fireworks
@@ -94,3 +97,46 @@ def test_rl_loop_runs_to_completion(
     completions = calls_to(report, r"^POST \S+/inference/v1/completions \S+ 200")
     assert len(completions) >= 4 * steps, report["calls"][-30:]
     assert not calls_to(report, r" 5\d\d"), calls_to(report, r" 5\d\d")
+
+
+@pytest.mark.parametrize("lora_rank", MODES)
+def test_async_rl_loop_runs_on_a_hot_loaded_deployment(
+    cookbook_py: Path,
+    cookbook: Path,
+    rl_server: LiveServer,
+    rl_model: Path,
+    tmp_path: Path,
+    lora_rank: int,
+) -> None:
+    """`recipes/async_rl_loop.py` as written (`async_runner.py`, its defaults but the loop's
+    size: `kl_beta` 0.001 with a reference, `router_replay` on): a trainer job, a deployment
+    hot-loaded with each published version, token-in rollouts through the completions route,
+    the client-side GRPO loss anchored on the old policy's `forward`. Each step trains on the
+    version published just before it, and the rollouts' raw logprobs are the trainer's own at
+    that version (`inference_k1` ~ 0), so the deployment served exactly the hot-loaded weights."""
+    rows = 3
+    spec = {
+        "recipe": "deployment",
+        "cookbook": str(cookbook),
+        "base_model": RL_MODEL,
+        "tokenizer": str(rl_model),
+        "run_dir": str(tmp_path / "run"),
+        "rows": rows,
+        "group_size": 4,
+        "max_completion_tokens": 8,
+        "learning_rate": 1e-3 if lora_rank else 1e-4,
+        "dcp_save_interval": 0,
+        "lora_rank": lora_rank,
+    }
+    result = run_async(cookbook_py, rl_server, spec, tmp_path)
+    assert result["result"]["steps"] == rows, result["result"]
+    assert result["result"]["deployment_id"], result["result"]
+    # the KL reference: LoRA's is the base model on the policy's own job, full weights' a job
+    assert bool(result["result"]["reference_job_id"]) == (lora_rank == 0), result["result"]
+    steps = [m for m in result["metrics"] if "train/step" in m and "train/grad_norm" in m]
+    assert [m["train/step"] for m in steps] == list(range(1, rows + 1)), steps
+    for m in steps:
+        assert m["async/trained_against_version"] == m["train/step"] - 1, m
+        assert m["train/raw_inference_logprob_coverage"] == 1.0, m
+        assert abs(m["train/inference_k1"]) <= 1e-4 and m["train/inference_k3"] <= 1e-4, m
+        assert math.isfinite(m["train/ref_kl"]) and m["train/grad_norm"] > 0, m
