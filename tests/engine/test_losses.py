@@ -138,7 +138,8 @@ def ref_token(loss_type: str, s: Sample, t: int, lp: torch.Tensor, params: Any, 
     if loss_type == "LOSS_TYPE_CROSS_ENTROPY":
         return -s["w"][t] * lp
     if loss_type == "LOSS_TYPE_IMPORTANCE_SAMPLING":
-        return -r * a
+        cap = params.ratio_log_cap
+        return -r * a if cap is None else -torch.exp(torch.clamp(lp - q, -cap, cap)) * a
     if loss_type == "LOSS_TYPE_PPO":
         return -clipped_objective(r, a, params.clip_low_threshold, params.clip_high_threshold)
     if loss_type == "LOSS_TYPE_CISPO":
@@ -206,7 +207,11 @@ def ref_metrics(loss_type: str, samples: list[Sample], params: Any) -> dict[str,
         for t in kept:
             lps.append(s["lp"][t])
             sequence = getattr(params, "ratio_type", "") == "GRPO_LOSS_RATIO_TYPE_SEQUENCE"
-            ratios.append(math.exp(seq if sequence else s["lp"][t] - s["q"][t]))
+            log_ratio = seq if sequence else s["lp"][t] - s["q"][t]
+            cap = getattr(params, "ratio_log_cap", None)
+            if cap is not None:
+                log_ratio = min(cap, max(-cap, log_ratio))
+            ratios.append(math.exp(log_ratio))
             d = s["ref"][t] - s["lp"][t]
             kls.append(math.exp(d) - d - 1)
             if loss_type == "LOSS_TYPE_DPPO":
@@ -240,6 +245,7 @@ def ref_metrics(loss_type: str, samples: list[Sample], params: Any) -> dict[str,
 CASES: list[tuple[str, Any]] = [
     ("LOSS_TYPE_CROSS_ENTROPY", CrossEntropyParams()),
     ("LOSS_TYPE_IMPORTANCE_SAMPLING", ImportanceSamplingParams()),
+    ("LOSS_TYPE_IMPORTANCE_SAMPLING", ImportanceSamplingParams(ratio_log_cap=0.1)),
     ("LOSS_TYPE_PPO", PpoParams()),
     ("LOSS_TYPE_PPO", PpoParams(clip_low_threshold=0.9, clip_high_threshold=1.05)),
     ("LOSS_TYPE_CISPO", CispoParams()),

@@ -97,6 +97,9 @@ def _tinker_loss(loss_fn: str, config: dict[str, float], d: dict[str, Any], lp: 
     if loss_fn == "cross_entropy":
         return -(lp * _t(d, "weights")).sum()
     adv = _t(d, "advantages")
+    if loss_fn == "importance_sampling" and "ratio_log_cap" in config:
+        cap = config["ratio_log_cap"]
+        return -(torch.exp(torch.clamp(lp - _t(d, "logprobs"), -cap, cap)) * adv).sum()
     if loss_fn == "importance_sampling":
         return -(_ratio(d, lp) * adv).sum()
     if loss_fn == "ppo":
@@ -118,6 +121,11 @@ def _tinker_loss(loss_fn: str, config: dict[str, float], d: dict[str, Any], lp: 
 CASES = [
     ("cross_entropy", {}, {"weights": "weights"}),
     ("importance_sampling", {}, {"logprobs": "logprobs", "advantages": "advantages"}),
+    (
+        "importance_sampling",
+        {"ratio_log_cap": 4.0},  # clamps some tokens, not all
+        {"logprobs": "logprobs", "advantages": "advantages"},
+    ),
     ("ppo", {}, {"logprobs": "logprobs", "advantages": "advantages"}),
     (
         "ppo",
@@ -331,6 +339,8 @@ def test_forward_backward_errors_name_the_field() -> None:
     assert _field_of(_fbi(config={"beta": 1.0})) == "forward_backward_input.loss_fn_config.beta"
     low = _fbi("cispo", {"clip_low_threshold": 1.5})
     assert _field_of(low) == "forward_backward_input.loss_fn_config.clip_low_threshold"
+    negative = _fbi(config={"ratio_log_cap": -0.1})
+    assert _field_of(negative) == "forward_backward_input.loss_fn_config.ratio_log_cap"
     where = "forward_backward_input.data[1]"
     fbi = _fbi()
     fbi["data"][1]["loss_fn_inputs"]["mask"] = fbi["data"][1]["loss_fn_inputs"]["logprobs"]

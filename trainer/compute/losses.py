@@ -142,10 +142,14 @@ def cross_entropy_loss(inputs: LossInputs, params: CrossEntropyParams) -> LossOu
 
 
 def importance_sampling_loss(inputs: LossInputs, params: ImportanceSamplingParams) -> LossOutputs:
-    """L = Σ_t -m_t · r_t · A_t. Reduction: sum over masked tokens."""
+    """L = Σ_t -m_t · r_t · A_t, with r_t = exp(clamp(lp_t - q_t, -c, c)) when
+    `ratio_log_cap` c is set (no gradient through a clamped ratio). Reduction: sum over masked
+    tokens."""
     p = _ratio_terms(inputs)
-    loss = _masked(-p.ratio_P * p.adv_P, p.keep_P).sum()
-    return LossOutputs(loss, _ratio_metrics(p.lp_P, p.ratio_P, p.keep_P))
+    cap = params.ratio_log_cap
+    ratio_P = p.ratio_P if cap is None else p.log_ratio_P.clamp(-cap, cap).exp()
+    loss = _masked(-ratio_P * p.adv_P, p.keep_P).sum()
+    return LossOutputs(loss, _ratio_metrics(p.lp_P, ratio_P, p.keep_P))
 
 
 def ppo_loss(inputs: LossInputs, params: PpoParams) -> LossOutputs:

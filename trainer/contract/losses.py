@@ -76,7 +76,10 @@ class CrossEntropyParams(Spec):
 
 
 class ImportanceSamplingParams(Spec):
-    """No knobs. L = sum_t -m_t * r_t * A_t."""
+    """L = sum_t -m_t * r_t * A_t. `ratio_log_cap` (unset: none) clamps log r_t to
+    [-cap, cap] before the exponential, as Tinker's server-side loss takes it."""
+
+    ratio_log_cap: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
 
 
 class PpoParams(_ClipParams):
@@ -241,6 +244,7 @@ class LossConfig(Spec):
 
     type: LossType
     cross_entropy_params: dict[str, Any] | None = None
+    importance_sampling_params: dict[str, Any] | None = None
     grpo_params: dict[str, Any] | None = None
     ppo_params: dict[str, Any] | None = None
     cispo_params: dict[str, Any] | None = None

@@ -71,7 +71,8 @@ class _TinkerLoss:
 _TINKER_CLIP: dict[str, float | None] = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 _TINKER_LOSSES = {
     "cross_entropy": _TinkerLoss("LOSS_TYPE_CROSS_ENTROPY", ones=True),
-    "importance_sampling": _TinkerLoss("LOSS_TYPE_IMPORTANCE_SAMPLING"),
+    # `ratio_log_cap`: the Fireworks cookbook's distillation recipe sends it (unset: no cap)
+    "importance_sampling": _TinkerLoss("LOSS_TYPE_IMPORTANCE_SAMPLING", {"ratio_log_cap": None}),
     "ppo": _TinkerLoss("LOSS_TYPE_PPO", _TINKER_CLIP),
     "cispo": _TinkerLoss("LOSS_TYPE_CISPO", _TINKER_CLIP),
     "dro": _TinkerLoss("LOSS_TYPE_DRO", {"beta": None}),
