@@ -158,6 +158,9 @@ def build_config(spec: dict[str, Any], workdir: Path) -> Any:
     if spec["recipe"] == "rl":
         return rl_config(spec, workdir, common)
 
+    if spec["recipe"] == "distill":
+        return distill_config(spec, workdir, common)
+
     from training.recipes import dpo_loop as recipe  # type: ignore[no-redef]
 
     keep = bool(spec.get("keep_reference"))
@@ -201,6 +204,36 @@ def rl_config(spec: dict[str, Any], workdir: Path, common: dict[str, Any]) -> An
         lora_rank=spec["lora_rank"],
         renderer_name="qwen3_instruct",
         deployment=deployment,
+    )
+
+
+def distill_config(spec: dict[str, Any], workdir: Path, common: dict[str, Any]) -> Any:
+    """`distillation_loop.Config` with its defaults but what a local run must say: the data
+    (the GRPO rows; the recipe reads their messages), the teacher (`teacher_model`, a base
+    model the recipe deploys with the given shape), the tokenizer directory, a deployment
+    shape, short completions, and the metrics ledger."""
+    import os
+
+    from training.recipes import distillation_loop as recipe
+    from training.utils import DeployConfig
+
+    os.environ["COOKBOOK_METRICS_FILE"] = common["runner"].metrics_file
+    (workdir / "rl_rows").write_text(str(spec.get("rows", ROWS)))
+    shape = "accounts/local/deploymentShapes/tiny"
+    return recipe, recipe.Config(
+        log_path=common["log_path"],
+        base_model=spec["base_model"],
+        dataset=rl_data(workdir),
+        teacher_model=spec["teacher_model"],
+        teacher_deployment_shape=shape,
+        learning_rate=spec["learning_rate"],
+        completions_per_prompt=2,
+        max_completion_tokens=spec.get("max_completion_tokens", 12),
+        epochs=spec["epochs"],
+        max_seq_len=spec["max_seq_len"],
+        lora_rank=spec["lora_rank"],
+        deployment=DeployConfig(deployment_shape=shape, tokenizer_model=spec["tokenizer"]),
+        runner=common["runner"],
     )
 
 

@@ -140,3 +140,67 @@ def test_async_rl_loop_runs_on_a_hot_loaded_deployment(
         assert m["train/raw_inference_logprob_coverage"] == 1.0, m
         assert abs(m["train/inference_k1"]) <= 1e-4 and m["train/inference_k3"] <= 1e-4, m
         assert math.isfinite(m["train/ref_kl"]) and m["train/grad_norm"] > 0, m
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def templated(model: Path, where: Path) -> Path:
+    """The served model's tokenizer with a Qwen-style chat template: the distillation recipe
+    renders its prompts with `apply_chat_template` (the word-level test tokenizer has none)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(where)
+    return where
+
+
+@pytest.mark.parametrize("lora_rank", MODES)
+def test_distillation_loop_runs_to_completion(
+    cookbook_py: Path,
+    cookbook: Path,
+    rl_server: LiveServer,
+    rl_model: Path,
+    tmp_path: Path,
+    lora_rank: int,
+) -> None:
+    """`recipes/distillation_loop.py` as written (sampled reverse KL, its defaults but the
+    loop's size): the student's deployment hot-loaded each step, a teacher deployment the
+    recipe creates for `teacher_model` (here the base model itself), the teacher scoring the
+    student's samples, the server-side `importance_sampling` loss with its `ratio_log_cap`."""
+    report = run_phase(
+        cookbook_py,
+        rl_server,
+        cookbook,
+        templated(rl_model, tmp_path / "tokenizer"),
+        tmp_path / "distill",
+        recipe="distill",
+        phase="first",
+        base_model=RL_MODEL,
+        teacher_model=RL_MODEL,
+        lora_rank=lora_rank,
+        learning_rate=1e-3 if lora_rank else 1e-4,
+        epochs=1,
+        max_seq_len=96,
+        rows=3,
+        max_completion_tokens=12,
+    )
+    steps = report["result"]["steps"]
+    assert steps == 3, report["result"]
+    trained = [m for m in report["metrics"] if "train/step" in m and "train/grad_norm" in m]
+    assert [m["train/step"] for m in trained] == [1, 2, 3], report["metrics"]
+    assert all(finite([m["train/loss:sum"], m["train/grad_norm"]]) for m in trained), trained
+    # step 1: the student's deployment serves the step-0 weights, which are the base model's,
+    # as the teacher's deployment does: the two score every sampled token alike
+    assert trained[0]["train/opd_abs_logprob_gap"] <= 1e-5, trained[0]
+    assert trained[-1]["train/opd_abs_logprob_gap"] > 1e-4, trained[-1]  # the student moved
+    # the teacher's deployment: made by the first run on this worker, reused by the next
+    teacher = calls_to(report, r"/deployments(/|\?deploymentId=)distillation-teacher-\S+ \S+ 200")
+    assert teacher, report["calls"][-30:]
+    hotloads = calls_to(report, r"^POST \S+/hot_load/v1/models/hot_load \S+ 200")
+    assert len(hotloads) >= steps, report["calls"][-30:]
+    assert not calls_to(report, r" 5\d\d"), calls_to(report, r" 5\d\d")
