@@ -24,6 +24,8 @@ SPEC_JSON keys:
 - job_id, reference_job_id: the trainer jobs to reattach to (`TrainerConfig`), the cookbook's
   own way to resume (`training/tests/e2e/test_*_resume_e2e.py`);
 - keep_reference (dpo): keep a separate reference trainer past the run, for the next phase.
+- serverless, output_model_id (sft): train on the serverless surface (`Config.serverless`, the
+  cookbook's `training/utils/serverless.py`), and promote the final checkpoint to that model.
 
 Prints one JSON line: `result` (what `main` returned), `metrics` (the recipe's per-step metrics
 file), `dataloader` (its `dataloader.json`: checkpoint name -> rows consumed), `checkpoints`
@@ -105,7 +107,8 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def control_plane_rows(job_id: str | None) -> list[dict[str, Any]] | str:
     """The control plane's checkpoint rows for `job_id`, as the recipes' resume reads them
-    (`FireworksClient.list_checkpoints`); the error text when the listing fails."""
+    (`FireworksClient.list_checkpoints`; a serverless session's `ts-` id: its session's,
+    `list_training_session_checkpoints`); the error text when the listing fails."""
     if not job_id:
         return "no job id"
     import os
@@ -116,7 +119,11 @@ def control_plane_rows(job_id: str | None) -> list[dict[str, Any]] | str:
         with FireworksClient(
             api_key=os.environ["FIREWORKS_API_KEY"], base_url=os.environ["FIREWORKS_BASE_URL"]
         ) as client:
-            rows = client.list_checkpoints(job_id)
+            if job_id.startswith("ts-"):
+                session = f"accounts/{client.account_id}/trainingSessions/{job_id}"
+                rows = client.list_training_session_checkpoints(session)
+            else:
+                rows = client.list_checkpoints(job_id)
     except Exception as exc:  # reported, not raised: the recipe's run is the result
         return f"{type(exc).__name__}: {exc}"
     keys = ("name", "checkpointType", "promotable", "createTime")
@@ -152,7 +159,12 @@ def build_config(spec: dict[str, Any], workdir: Path) -> Any:
         train, evaluation = sft_data(workdir)
         trainer = TrainerConfig(job_id=spec.get("job_id"))
         return recipe, recipe.Config(
-            dataset=train, evaluation_dataset=evaluation, trainer=trainer, **common
+            dataset=train,
+            evaluation_dataset=evaluation,
+            trainer=trainer,
+            serverless=bool(spec.get("serverless")),
+            output_model_id=spec.get("output_model_id"),
+            **common,
         )
 
     if spec["recipe"] == "rl":

@@ -25,6 +25,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.api.conftest import LiveServer
@@ -166,6 +167,50 @@ def test_sft_loop_runs_and_resumes(
     # run's closing eval scored on its final weights: the same number if those came back
     assert abs(resumed[0] - evals[-1]) < 1e-3 * max(1.0, evals[-1]), (resumed, evals)
     check_checkpoints(second, job_id, range(1, 5), lora=lora_rank > 0)
+
+
+def test_sft_loop_runs_on_the_serverless_surface(
+    cookbook_py: Path,
+    cookbook: Path,
+    fw_server: LiveServer,
+    fw_models: dict[str, Path],
+    tmp_path: Path,
+) -> None:
+    """`recipes/sft_loop.py` with `serverless=True` (the cookbook's `utils/serverless.py`): no
+    trainer job; a `ts-` session's LoRA run, checkpoints listed on the session, and the final
+    one promoted to a model through the session's promote route. The loss falls as on a job."""
+    report = run_phase(
+        cookbook_py,
+        fw_server,
+        cookbook,
+        fw_models[QWEN],
+        tmp_path / "sft-serverless",
+        recipe="sft",
+        phase="first",
+        epochs=1,
+        lora_rank=LORA_RANK,
+        learning_rate=1e-2,
+        serverless=True,
+        output_model_id="sft-serverless",
+    )
+    result = report["result"]
+    session = result["job_id"]
+    assert result["steps"] == 2 and re.fullmatch(r"ts-[0-9a-f]{32}", session), result
+    losses = series(report["metrics"], "train/ce_loss")
+    assert finite(losses) and decreasing(losses), losses
+    assert not trainer_jobs(report["calls"], "POST"), report["calls"]
+    rows = report["checkpoints"]
+    assert isinstance(rows, list) and rows, rows
+    assert all(r["name"].startswith(f"accounts/local/trainingSessions/{session}/") for r in rows)
+    assert any(r.get("promotable") for r in rows), rows
+    promoted = [c for c in report["calls"] if re.search(r":promote \S+ 200", c)]
+    assert len(promoted) == 1 and f"/trainingSessions/{session}/" in promoted[0], report["calls"]
+    model = httpx.get(
+        f"{fw_server.url}/v1/accounts/local/models/sft-serverless",
+        headers={"Authorization": f"Bearer {fw_server.token}"},
+    )
+    assert model.status_code == 200, model.text
+    assert f"trainingSessions/{session}" in model.text, model.text
 
 
 def trainer_jobs(calls: list[str], method: str) -> list[str]:
