@@ -1,5 +1,5 @@
-"""Run one phase of the Fireworks training cookbook's `sft_loop`, `dpo_loop` or `rl_loop`,
-unchanged, against the worker at `FIREWORKS_BASE_URL`.
+"""Run one phase of the Fireworks training cookbook's `sft_loop`, `dpo_loop`, `orpo_loop`,
+`rl_loop` or `distillation_loop`, unchanged, against the worker at `FIREWORKS_BASE_URL`.
 
 Executed by the cookbook venv's python (`tests/fireworks/cookbook_venv.py`) with the exported
 cookbook tree on `sys.path` (it imports as `training`). Nothing of the cookbook is replaced: the
@@ -12,7 +12,8 @@ Usage: python cookbook_runner.py SPEC_JSON
 
 SPEC_JSON keys:
 - cookbook: the directory holding `training/`;
-- recipe: `sft`, `dpo` or `rl` (GRPO: a deployment hot-loaded after every step, sampled
+- recipe: `sft`, `dpo`, `orpo` (on the DPO pairs), `distill` (a teacher deployment scoring the
+  GRPO rows' samples) or `rl` (GRPO: a deployment hot-loaded after every step, sampled
   through the completions route; its rows ask a question whose `ground_truth` is one of the
   tokenizer's `<answer>N</answer>` tokens, so a near-uniform tiny model earns a reward now and
   then and its groups get non-zero advantages);
@@ -172,6 +173,13 @@ def build_config(spec: dict[str, Any], workdir: Path) -> Any:
 
     if spec["recipe"] == "distill":
         return distill_config(spec, workdir, common)
+
+    if spec["recipe"] == "orpo":
+        from training.recipes import orpo_loop as recipe  # type: ignore[no-redef]
+
+        orpo = {k: v for k, v in common.items() if k != "render_workers"}
+        trainer = TrainerConfig(job_id=spec.get("job_id"))
+        return recipe, recipe.Config(dataset=dpo_data(workdir), trainer=trainer, **orpo)
 
     from training.recipes import dpo_loop as recipe  # type: ignore[no-redef]
 

@@ -308,3 +308,30 @@ def test_recipes_are_the_cookbooks(cookbook_py: Path, cookbook: Path) -> None:
         "5.5.4",
     )
     assert all(Path(f).is_relative_to(cookbook / "training" / "recipes") for f in files), files
+
+
+@pytest.mark.parametrize("lora_rank", MODES)
+def test_orpo_loop_runs(
+    cookbook_py: Path,
+    cookbook: Path,
+    fw_server: LiveServer,
+    fw_models: dict[str, Path],
+    tmp_path: Path,
+    lora_rank: int,
+) -> None:
+    """`recipes/orpo_loop.py` on the DPO pairs: its client-side loss (the chosen answer's NLL
+    plus the odds-ratio term) falls step by step, the odds favour the chosen answer more after
+    a step, and the job's checkpoints are on the control plane as the other recipes' are."""
+    phase: dict[str, Any] = {
+        "recipe": "orpo",
+        "lora_rank": lora_rank,
+        "learning_rate": 1e-2 if lora_rank else 1e-3,
+    }
+    args = (cookbook_py, fw_server, cookbook, fw_models[QWEN], tmp_path / "orpo")
+    report = run_phase(*args, phase="first", epochs=1, **phase)
+    assert report["result"]["steps"] == 2, report["result"]
+    losses = series(report["metrics"], "train/orpo_loss")
+    assert finite(losses) and decreasing(losses), report["metrics"]
+    odds = series(report["metrics"], "train/log_odds_ratio")
+    assert finite(odds) and odds[-1] > odds[0], report["metrics"]
+    check_checkpoints(report, report["result"]["job_id"], range(1, 3), lora=lora_rank > 0)
