@@ -26,6 +26,7 @@ from trainer.contract.specs import (
     LOSS_SPECS,
     DroParams,
     GrpoParams,
+    ImportanceSamplingParams,
     InputRule,
     LossConfig,
     ModelEntry,
@@ -61,8 +62,8 @@ def test_params_are_parsed_once_into_the_typed_union() -> None:
     assert isinstance(params, GrpoParams) and params.beta == 0.25
     assert loss.params() is params  # not parsed again
     assert loss.spec is LOSS_SPECS["LOSS_TYPE_GRPO"]
-    # the wire shape: type + the six <x>_params of the RL face, and the Tinker face's
-    # stable_reinforce_params (the others dropped unread)
+    # the wire shape: type + the six <x>_params of the RL face, the Tinker face's
+    # stable_reinforce_params and importance_sampling_params (the others dropped unread)
     dumped = loss.model_dump(mode="json")
     assert set(dumped) == {
         "type",
@@ -73,9 +74,15 @@ def test_params_are_parsed_once_into_the_typed_union() -> None:
         "dppo_params",
         "dro_params",
         "stable_reinforce_params",
+        "importance_sampling_params",
     }
     again = LossConfig.model_validate(dumped)  # the rank-0 proxy's round trip
     assert again.params() == params
+    capped = LossConfig.model_validate(
+        {"type": "importance_sampling", "importance_sampling_params": {"ratio_log_cap": 2.0}}
+    )
+    relayed = LossConfig.model_validate(capped.model_dump(mode="json"))
+    assert relayed.params() == ImportanceSamplingParams(ratio_log_cap=2.0)
     assert isinstance(LossConfig(type="ppo").params(), PpoParams)
     # a param without a default is required, with the message that names it
     with pytest.raises(ValueError, match=r"loss\.dro_params\.beta is required for LOSS_TYPE_DRO"):
