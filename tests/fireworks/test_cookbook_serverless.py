@@ -370,13 +370,19 @@ def test_privileged_distillation_runs_on_the_serverless_surface(
         timeout=120,
     )
 
+    prompt = [10, 11, 12, 13, 14, 15]
+
     def logprobs(model: str) -> list[float]:
-        body = {"model": model, "prompt": [10, 11, 12], "max_tokens": 4, "temperature": 0.0}
+        """The model's logprobs of the fixed `prompt` (echoed), so every model scores the same
+        tokens."""
+        body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
         r = http.post(
-            "/training/v1/serverless/inference/v1/completions", json={**body, "logprobs": True}
+            "/training/v1/serverless/inference/v1/completions",
+            json={**body, "logprobs": True, "echo": True},
         )
         assert r.status_code == 200, r.text
-        return [c["logprob"] for c in r.json()["choices"][0]["logprobs"]["content"]]
+        content = r.json()["choices"][0]["logprobs"]["content"]
+        return [c["logprob"] for c in content[1 : len(prompt)]]  # the first is given
 
     base = logprobs(session)
     assert logprobs(f"{session}/checkpoints/{teacher[0]}") == pytest.approx(base, abs=1e-5)

@@ -82,11 +82,17 @@ def test_sdft_default_mode_runs_with_its_defaults(
     assert model.lora_rank == 128  # the recipe's default, not overridden
     metrics = out["metrics"]
     assert [m["progress/batch"] for m in metrics] == [0, 1], metrics
+    # The recipe skips each completion's first 3 tokens (its reference does), so a step whose
+    # sampled completions are all that short scores no position: entropy, weights and
+    # gradient are then 0. Sampling is unseeded; one step at least has scored positions.
     for m in metrics:
         assert m["sdft/topk"] == TOPK
-        # the renormalized top-20 teacher distribution's entropy, in (0, ln 20]
-        assert 0.0 < m["sdft/mean_teacher_entropy"] <= math.log(TOPK) + 1e-6, m
-        assert m["grad_norm"] > 0 and math.isfinite(m["grad_norm"]), m
+        # the renormalized top-20 teacher distribution's entropy, in [0, ln 20]
+        assert 0.0 <= m["sdft/mean_teacher_entropy"] <= math.log(TOPK) + 1e-6, m
+        assert m["grad_norm"] >= 0 and math.isfinite(m["grad_norm"]), m
+        if m["sdft/mean_teacher_entropy"] > 0:  # scored positions move the weights
+            assert m["grad_norm"] > 0, m
+    assert any(m["sdft/mean_teacher_entropy"] > 0 for m in metrics), metrics
     trained = [f for f in futures if f.kind == "ForwardBackward"]
     assert len(trained) == 2, [f.kind for f in futures]
     for future in trained:
@@ -94,9 +100,11 @@ def test_sdft_default_mode_runs_with_its_defaults(
         for lp in _logprobs(future):  # one logprob per target: (N, 20)
             assert lp.ndim == 2 and lp.shape[1] == TOPK, lp.shape
             assert np.all(np.isfinite(lp)) and np.all(lp <= 0.0)
-        # Σ_t Σ_k −p_tk·lp_tk with p a distribution over k: positive, finite
+        # Σ_t Σ_k −p_tk·lp_tk with p a distribution over k: positive where any position is
+        # scored, finite
         loss = future.result["metrics"]["loss:sum"]
-        assert 0.0 < loss < math.inf, future.result["metrics"]
+        assert 0.0 <= loss < math.inf, future.result["metrics"]
+    assert any(f.result["metrics"]["loss:sum"] > 0 for f in trained if f.result), trained
     assert [c["name"] for c in out["checkpoints"]][-1] == "final", out["checkpoints"]
 
 
