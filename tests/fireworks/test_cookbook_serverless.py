@@ -39,6 +39,32 @@ STEPS = 3
 GROUP = 4
 
 
+def run_example(
+    cookbook_py: Path, server: LiveServer, runner: Path, spec: dict[str, Any], cwd: Path
+) -> tuple[dict[str, Any], str]:
+    """Run one of the runners beside this file in the cookbook venv: the JSON report it prints
+    last and its whole stdout; an AssertionError with its error, last calls, traceback and
+    output when it fails (each runner exits 1 with `error` in its report then)."""
+    proc = subprocess.run(
+        [str(cookbook_py), str(runner), json.dumps(spec)],
+        env=fw_env(server),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=cwd,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    report: dict[str, Any] = json.loads(lines[-1]) if lines else {}
+    if proc.returncode != 0 or not report or "error" in report:
+        calls = "\n".join(report.get("calls", [])[-15:])
+        raise AssertionError(
+            f"{runner.name} failed: {report.get('error', f'exit {proc.returncode}')}\n"
+            f"--- last calls\n{calls}\n--- traceback\n{report.get('traceback', '')[-4000:]}\n"
+            f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+        )
+    return report, proc.stdout
+
+
 @pytest.fixture(scope="module")
 def countdown_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     where = tmp_path_factory.mktemp("countdown-model")
@@ -74,23 +100,7 @@ def test_countdown_rl_runs_on_the_serverless_surface(
         "max_seq_len": 512,
         "learning_rate": 1e-3,
     }
-    proc = subprocess.run(
-        [str(cookbook_py), str(RUNNER), json.dumps(spec)],
-        env=fw_env(countdown_server),
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=tmp_path,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    report: dict[str, Any] = json.loads(lines[-1]) if lines else {}
-    if proc.returncode != 0 or "records" not in report:
-        calls = "\n".join(report.get("calls", [])[-15:])
-        raise AssertionError(
-            f"countdown_rl failed: {report.get('error', f'exit {proc.returncode}')}\n"
-            f"--- last calls\n{calls}\n--- traceback\n{report.get('traceback', '')[-4000:]}\n"
-            f"--- stderr\n{proc.stderr[-3000:]}"
-        )
+    report, _ = run_example(cookbook_py, countdown_server, RUNNER, spec, tmp_path)
     records = report["records"]
     assert [r["step"] for r in records] == list(range(STEPS)), records
     # every step sampled its own fresh checkpoint of the run, group by group
@@ -136,25 +146,9 @@ def preference_rows() -> list[dict[str, Any]]:
 def run_dpo(
     cookbook_py: Path, server: LiveServer, spec: dict[str, Any], cwd: Path
 ) -> tuple[dict[str, Any], str]:
-    proc = subprocess.run(
-        [str(cookbook_py), str(DPO_RUNNER), json.dumps(spec)],
-        env=fw_env(server),
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=cwd,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    report: dict[str, Any] = json.loads(lines[-1]) if lines else {}
-    if proc.returncode != 0 or "records" not in report:
-        calls = "\n".join(report.get("calls", [])[-15:])
-        raise AssertionError(
-            f"ultrafeedback_dpo failed: {report.get('error', f'exit {proc.returncode}')}\n"
-            f"--- last calls\n{calls}\n--- traceback\n{report.get('traceback', '')[-4000:]}\n"
-            f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
-        )
+    report, stdout = run_example(cookbook_py, server, DPO_RUNNER, spec, cwd)
     assert not [c for c in report["calls"] if re.search(r"HTTP/\S+ 5\d\d", c)], report["calls"]
-    return report, proc.stdout
+    return report, stdout
 
 
 def test_dpo_runs_on_the_serverless_surface_and_resumes(
@@ -218,23 +212,7 @@ ASYNC_ROWS = 4
 def run_async(
     cookbook_py: Path, server: LiveServer, spec: dict[str, Any], cwd: Path
 ) -> dict[str, Any]:
-    proc = subprocess.run(
-        [str(cookbook_py), str(ASYNC_RUNNER), json.dumps(spec)],
-        env=fw_env(server),
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=cwd,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    report: dict[str, Any] = json.loads(lines[-1]) if lines else {}
-    if proc.returncode != 0 or "result" not in report:
-        raise AssertionError(
-            f"async_rl_loop_serverless failed: {report.get('error', f'exit {proc.returncode}')}"
-            f"\n--- traceback\n{report.get('traceback', '')[-4000:]}"
-            f"\n--- stderr\n{proc.stderr[-3000:]}"
-        )
-    return report
+    return run_example(cookbook_py, server, ASYNC_RUNNER, spec, cwd)[0]
 
 
 def trained_steps(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -336,21 +314,7 @@ def test_privileged_distillation_runs_on_the_serverless_surface(
         "max_completion_tokens": 12,
         "learning_rate": 1e-2,
     }
-    proc = subprocess.run(
-        [str(cookbook_py), str(DISTILL_RUNNER), json.dumps(spec)],
-        env=fw_env(countdown_server),
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=tmp_path,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith('{"metrics"')]
-    report: dict[str, Any] = json.loads(lines[-1]) if lines else {}
-    if proc.returncode != 0 or "error" in report or not report:
-        raise AssertionError(
-            f"train_serverless_k3_privileged failed: {report.get('error', proc.returncode)}\n"
-            f"{report.get('traceback', '')[-4000:]}\n--- stderr\n{proc.stderr[-3000:]}"
-        )
+    report, _ = run_example(cookbook_py, countdown_server, DISTILL_RUNNER, spec, tmp_path)
     records = report["metrics"]
     assert [r["step"] for r in records] == list(range(steps)), records
     for r in records:
