@@ -118,7 +118,8 @@ def _run_serve_distributed(config: Any, log_level: str) -> int:
     """Under torchrun: rank 0 serves HTTP and drives every rank; the others execute commands.
 
     A broken group (a rank died or failed alone) stops rank 0 gracefully, with exit code 1,
-    so torchrun's agent tears the job down and restarts it (`--max-restarts`).
+    so torchrun's agent tears the job down and restarts it (`--max-restarts`). An agent killed
+    outright takes its ranks with it (`leave_with_launcher`).
     """
     import os
     import signal
@@ -126,8 +127,10 @@ def _run_serve_distributed(config: Any, log_level: str) -> int:
     import torch.distributed as dist
 
     from trainer.api.server import StartupError, serve
+    from trainer.distributed.comm import leave_with_launcher
     from trainer.distributed.spmd import resource_loader, run_worker
 
+    leave_with_launcher()
     spmd = join_job(config)
     if spmd.comm.rank != 0:
         code = run_worker(spmd)

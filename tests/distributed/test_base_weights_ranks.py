@@ -5,17 +5,13 @@ the checkpoint's `merged/` export."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.api.api_helpers import ce_sample, load_causal_lm, reference_logprobs
-from tests.distributed.test_torchrun_serve import TOKEN, _group_alive, _launch
+from tests.distributed.test_torchrun_serve import TOKEN, _children, _launch, _stop
 from tests.engine.helpers import make_resource, random_batch
 from trainer.contract.specs import AdamParams, LossConfig, SessionSpec
 from trainer.spawn import free_port, wait_healthy
@@ -57,8 +53,10 @@ def test_two_ranks_train_from_the_checkpoint(tiny_qwen_dir: Path, tmp_path: Path
 
     port = free_port()
     proc = _launch(2, tiny_qwen_dir, storage, port)
+    pids = [proc.pid]
     try:
         wait_healthy(f"http://127.0.0.1:{port}", proc.poll, timeout=180, interval=0.5)
+        pids += _children(proc.pid)
         resource = ModelResourcesClient.create(
             api_key=TOKEN,
             base_url=f"http://127.0.0.1:{port}/v1",
@@ -81,13 +79,4 @@ def test_two_ranks_train_from_the_checkpoint(tiny_qwen_dir: Path, tmp_path: Path
         finally:
             resource.stop(force=True)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
-    deadline = time.monotonic() + 30
-    while _group_alive(proc.pid):
-        assert time.monotonic() < deadline, "a rank outlived SIGTERM"
-        time.sleep(0.5)
+        _stop(proc, pids)

@@ -6,6 +6,7 @@ the same calls on a one-process worker, and SIGTERM stops every rank.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -107,32 +108,33 @@ def _train(port: int, proc: subprocess.Popen) -> list[float]:
 def _run(ranks: int, model_dir: Path, storage: Path) -> list[float]:
     port = free_port()
     proc = _launch(ranks, model_dir, storage, port)
+    pids = [proc.pid]
     try:
         losses = _train(port, proc)
+        pids += _children(proc.pid) if ranks > 1 else []
     finally:
-        proc.send_signal(signal.SIGTERM)  # torchrun forwards it to every rank
-        try:
-            code = proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
+        code = _stop(proc, pids)
     if ranks == 1:
         assert code == 0
-    # torchrun itself exits 1 on a signal (its SignalException) after the ranks have stopped;
-    # what matters is that no rank is left behind
-    deadline = time.monotonic() + 30
-    while _group_alive(proc.pid):
-        assert time.monotonic() < deadline, "a rank outlived SIGTERM"
-        time.sleep(0.5)
+    assert len(pids) == (ranks + 1 if ranks > 1 else 1), pids
     return losses
 
 
-def _group_alive(pgid: int) -> bool:
+def _stop(proc: subprocess.Popen, pids: list[int]) -> int:
+    """SIGTERM the job (torchrun forwards it to every rank); fails unless the launcher and
+    every one of `pids` are gone within 30 s. torchrun itself exits 1 on a signal (its
+    SignalException) after the ranks have stopped: the exit code is returned, not checked."""
+    proc.send_signal(signal.SIGTERM)
     try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+        code = proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        raise
+    _wait_gone(pids, 30, "a rank outlived SIGTERM")
+    return code
 
 
 def test_two_rank_worker_matches_one_process(tiny_qwen_dir, tmp_path) -> None:
@@ -140,3 +142,50 @@ def test_two_rank_worker_matches_one_process(tiny_qwen_dir, tmp_path) -> None:
     one = _run(1, tiny_qwen_dir, tmp_path / "one")
     assert two == pytest.approx(one, rel=1e-4)
     assert two[-1] < two[0]
+
+
+def _children(pid: int) -> list[int]:
+    """`pid`'s child processes (Linux): torchrun starts each rank in a session of its own, so
+    the agent's process group does not hold them."""
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def _running(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie awaiting its (new) parent's reaping."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait_gone(pids: list[int], seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while any(_running(p) for p in pids):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.5)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
+def test_ranks_leave_with_a_killed_agent(tiny_qwen_dir, tmp_path) -> None:
+    """torchrun's agent SIGKILLed cannot stop its ranks; they notice and stop themselves, so
+    no rank keeps the port or the device."""
+    import socket
+
+    port = free_port()
+    proc = _launch(2, tiny_qwen_dir, tmp_path, port)
+    ranks: list[int] = []
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc.poll, timeout=120, interval=0.5)
+        ranks = _children(proc.pid)
+        assert len(ranks) == 2, ranks
+        proc.kill()  # the agent only: its ranks are orphaned
+        proc.wait(timeout=30)
+        _wait_gone(ranks, 45, "a rank outlived its agent")
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    finally:
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

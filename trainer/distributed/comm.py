@@ -7,6 +7,9 @@ import datetime
 import json
 import logging
 import os
+import signal
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,3 +124,31 @@ def init_distributed(op_timeout_s: float | None = None) -> Comm:
 def is_distributed_launch() -> bool:
     """True under torchrun (or any launcher that sets WORLD_SIZE > 1)."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+LAUNCHER_POLL_S = 1.0  # how often a rank looks for its launcher
+LAUNCHER_GRACE_S = 30.0  # from SIGTERM to SIGKILL once the launcher is gone
+
+
+def leave_with_launcher(
+    poll_s: float = LAUNCHER_POLL_S, grace_s: float = LAUNCHER_GRACE_S
+) -> threading.Thread:
+    """Stop this rank once the process that launched it (torchrun's agent) is gone.
+
+    The agent normally stops its ranks itself; killed outright (SIGKILL, the OOM killer), it
+    leaves them orphaned: rank 0 still holding the port and every rank its device. A daemon
+    thread notices the new parent within `poll_s`, sends this process SIGTERM (rank 0 stops
+    gracefully, the others exit), and SIGKILL if it is still alive `grace_s` later."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        log.warning("the launcher (pid %d) is gone: stopping this rank", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, name="launcher-watch", daemon=True)
+    thread.start()
+    return thread
