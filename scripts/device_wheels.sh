@@ -3,7 +3,7 @@
 # packages: scripts/device_packages.txt) lacks for `trainer serve`, the gpu/engine tests and the
 # together==3.1.1 SDK client (with its tinker extra). The repo itself travels as source.
 #   bash scripts/device_wheels.sh            # download into .whl/ (cp312, manylinux x86_64)
-#   bash scripts/device_wheels.sh --check    # prove the set complete (here, on Python 3.11)
+#   bash scripts/device_wheels.sh --check    # prove the set complete (here, no device needed)
 # On the device (the repo root on PYTHONPATH too, so `trainer` runs from source):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 #       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
@@ -13,9 +13,10 @@
 # --check needs a Python whose environment holds the device's versions of its own packages
 # (DEVICE_PY, default /tmp/devvenv/bin/python: torch 2.11.0, transformers 5.17.0, ...; see
 # docs/gpu.md). From it, only the distributions named in scripts/device_packages.txt are linked
-# into a bare site folder; a fresh venv (no system site-packages) then gets .whl/ on top (cp311
-# builds of the compiled wheels, since this machine has no 3.12), and must import the server,
-# the SDK and run a small test, with every requirement of every carried wheel met.
+# into a bare site folder; a fresh venv of DEVICE_PY's interpreter (no site-packages) then gets
+# .whl/ on top, and must import the server, the SDK and run a small test, with every
+# requirement of every carried wheel met. With a Python 3.12 DEVICE_PY these are the very
+# wheels the device gets; with another, the compiled ones are fetched again for its version.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -107,21 +108,27 @@ for dist in md.distributions():
             import shutil; shutil.copy2(src, dst)
 print(f"device packages linked from {sys.prefix}: {len(linked)} of {len(wanted)}")
 EOF
-# 2. a bare venv with .whl/ on top: pure wheels as they are, compiled ones rebuilt for cp311
-python3 -m venv --without-pip "$work/venv"
+# 2. a bare venv with .whl/ on top: pure wheels as they are, compiled ones as carried on
+#    Python 3.12 (the device's), else fetched again for DEVICE_PY's version
+pyver=$("$DEVICE_PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+"$DEVICE_PY" -m venv --without-pip "$work/venv"
 mkdir -p "$work/wheels"
 compiled=()
 for w in .whl/*.whl; do
-  if [[ $w == *-none-any.whl ]]; then
+  if [[ $w == *-none-any.whl || $pyver == 3.12 ]]; then
     cp "$w" "$work/wheels/"
   else
     b=$(basename "$w")
     compiled+=("${b%%-*}==$(cut -d- -f2 <<< "$b")")
   fi
 done
-download "$work/wheels" 3.11 "${compiled[@]}"
-echo "cp311 builds for the check: ${compiled[*]}"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+if ((${#compiled[@]})); then
+  download "$work/wheels" "$pyver" "${compiled[@]}"
+  echo "cp${pyver/./} builds for the check: ${compiled[*]}"
+else
+  echo "the carried wheels themselves, on Python $pyver"
+fi
+"$DEVICE_PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target "$work/site" "$work"/wheels/*.whl
 export PYTHONPATH="$work/site:$work/base:$PWD" HF_HUB_OFFLINE=1
 PY="$work/venv/bin/python"
