@@ -15,8 +15,9 @@
 # docs/gpu.md). From it, only the distributions named in scripts/device_packages.txt are linked
 # into a bare site folder; a fresh venv of DEVICE_PY's interpreter (no site-packages) then gets
 # .whl/ on top, and must import the server, the SDK and run a small test, with every
-# requirement of every carried wheel met. With a Python 3.12 DEVICE_PY these are the very
-# wheels the device gets; with another, the compiled ones are fetched again for its version.
+# requirement of every carried wheel met, then rehearse scripts/gpu_proof.sh. With a Python 3.12
+# DEVICE_PY these are the very wheels the device gets; with another, the compiled ones are
+# fetched again for its version.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -177,4 +178,9 @@ orjson; print('imports ok: together', together.__version__, 'fastapi', fastapi._
 "$PY" -m trainer --help > /dev/null
 "$PY" -m pytest -q -p no:cacheprovider tests/test_imports.py tests/test_tiny.py
 "$PY" -m pytest -q -p no:cacheprovider --collect-only tests/engine tests/perf tests/api | tail -1
+# 5. the proof script itself, rehearsed in this environment (what the device will run)
+mkdir -p "$work/out"
+OUT="$work/out" PYTHON="$PY" bash scripts/gpu_proof.sh --rehearse > "$work/rehearsal.log" 2>&1 \
+  || { tail -40 "$work/rehearsal.log" >&2; echo "the rehearsal failed here" >&2; exit 1; }
+tail -1 "$work/rehearsal.log"
 echo "device wheels: complete"
