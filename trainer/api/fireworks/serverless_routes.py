@@ -17,8 +17,6 @@
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -28,9 +26,16 @@ from pydantic import Field, model_validator
 from trainer.api.auth import principal_of
 from trainer.api.fireworks import serverless
 from trainer.api.tinker import models, names
-from trainer.api.tinker.records import TinkerCheckpoint, TinkerSession
-from trainer.api.tinker.requests import CreateModel, CreateSession
-from trainer.api.tinker.routes import bridge_of, future_json, get_session, open_model, parse
+from trainer.api.tinker.records import TinkerCheckpoint
+from trainer.api.tinker.requests import CreateModel
+from trainer.api.tinker.routes import (
+    bridge_of,
+    future_json,
+    get_session,
+    open_model,
+    parse,
+    start_session,
+)
 from trainer.contract.base import Spec
 from trainer.serving.errors import bad_request, not_found
 
@@ -40,18 +45,7 @@ RUN_FIELD = "training_run"
 
 @router.post("/create_session")
 async def create_session(request: Request) -> dict[str, Any]:
-    body: CreateSession = await parse(request, CreateSession)
-    now = time.time()
-    session = TinkerSession(
-        id=f"{serverless.SESSION_PREFIX}{uuid.uuid4().hex}",
-        created_at=now,
-        heartbeat_at=now,
-        display_name=body.display_name,
-        user_metadata=dict(body.user_metadata or {}),
-        owner=principal_of(request).user,
-    )
-    await run_in_threadpool(bridge_of(request).db.insert, session)
-    return {"type": "create_session", "session_id": session.id}
+    return await start_session(request, serverless.SESSION_PREFIX)
 
 
 @router.post("/create_model")

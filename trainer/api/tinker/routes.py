@@ -126,10 +126,15 @@ async def telemetry() -> dict[str, str]:
 
 @router.post("/create_session")
 async def create_session(request: Request) -> dict[str, Any]:
+    return await start_session(request, "session_")
+
+
+async def start_session(request: Request, prefix: str) -> dict[str, Any]:
+    """A new Tinker session of the caller's, its id `prefix` + 32 hex digits."""
     body: CreateSession = await parse(request, CreateSession)
     now = time.time()
     session = TinkerSession(
-        id=f"session_{uuid.uuid4().hex}",
+        id=f"{prefix}{uuid.uuid4().hex}",
         created_at=now,
         heartbeat_at=now,
         display_name=body.display_name,
