@@ -308,6 +308,37 @@ def test_lora_seed_makes_init_reproducible(tiny_qwen_dir, tmp_path) -> None:
     assert head, "train_unembed puts a LoRA on lm_head"
 
 
+def test_seeded_dropout_is_reproducible_on_its_device(tiny_qwen_dir, tmp_path) -> None:
+    """A seeded session's dropout masks come from its seed on the device that computes (CUDA
+    too), not from whatever the process's global streams hold when it is created: two
+    sessions of one seed, with the global streams moved between them, get the same gradients,
+    while the same session on another seed's streams gets other masks."""
+    from tests.engine.helpers import DEVICE
+    from trainer.compute.policy import cuda_devices
+
+    resource = make_resource(tiny_qwen_dir, tmp_path)
+    batch = random_batch(41, n=3, weights="ones")
+    config = LoraConfig(rank=4, alpha=8, seed=7, dropout=0.5)
+
+    def grads(session) -> dict:
+        session.forward_backward(CE, batch)
+        return grads_of(session)
+
+    first = grads(resource.create_session("a", SessionSpec(lora_config=config)))
+    torch.rand(1000, device=DEVICE)  # the global streams move on
+    torch.manual_seed(12345)
+    again = grads(resource.create_session("b", SessionSpec(lora_config=config)))
+    assert_same(first, again)
+    moved = resource.create_session("c", SessionSpec(lora_config=config))
+    with torch.random.fork_rng(devices=cuda_devices()):
+        torch.manual_seed(999)
+        moved.cpu_rng = torch.get_rng_state()
+        moved.cuda_rng = [torch.cuda.get_rng_state(i) for i in cuda_devices()]
+    other = grads(moved)  # lora_B starts at 0: the masks show in its gradients
+    name = next(n for n in first if "lora_B" in n)
+    assert not torch.allclose(first[name], other[name])
+
+
 def test_full_weight_resource_hosts_one_session(tiny_qwen_dir, tmp_path) -> None:
     resource = make_resource(tiny_qwen_dir, tmp_path, lora=False)
     first = resource.create_session("a", SessionSpec())

@@ -96,10 +96,13 @@ class TrainingSession:
             if optimizer_kind(config) == "muon"
             else optim.new_adamw(list(self.policy.trainable.values()))
         )
-        gen = torch.Generator().manual_seed(self.rng_seed)
-        # the session's RNG stream between operations (`operation_scope` swaps it in)
-        self.cpu_rng = gen.get_state()
-        self.cuda_rng = [torch.cuda.get_rng_state(i) for i in cuda_devices()]
+        # the session's RNG streams between operations (`operation_scope` swaps them in), all
+        # drawn from its seed: the CPU's and each CUDA device's (dropout masks on a GPU)
+        devices = cuda_devices()
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(self.rng_seed)
+            self.cpu_rng = torch.get_rng_state()
+            self.cuda_rng = [torch.cuda.get_rng_state(i) for i in devices]
         self.tracker = worker_run(
             self.id, self.spec.metadata.model_dump(), str(self.resource.store.root)
         )
