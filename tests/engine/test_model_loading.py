@@ -7,6 +7,7 @@ import shutil
 import pytest
 import torch
 
+from trainer.compute import model as model_module
 from trainer.compute.model import hub_id, load_base_model, local_dir, resolve_dtype
 from trainer.contract.specs import ModelEntry
 
@@ -50,6 +51,24 @@ def test_dtype_rules() -> None:
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     assert resolve_dtype("float16", torch.device("cpu")) == torch.float16
+
+
+@pytest.mark.parametrize(
+    ("dtype", "expected"),
+    [
+        (torch.bfloat16, "flash_attention_2"),
+        (torch.float16, "flash_attention_2"),
+        (torch.float32, "sdpa"),
+    ],
+)
+def test_flash_attention_only_for_16_bit_weights(tiny_qwen_dir, monkeypatch, dtype, expected):
+    """FlashAttention-2 computes in bf16/fp16 only: an fp32 entry on CUDA keeps SDPA."""
+    monkeypatch.setattr(model_module, "_has_flash_attn", lambda: True)
+    entry = ModelEntry(name="tiny", location=str(tiny_qwen_dir))
+    cuda = torch.device("cuda")
+    assert model_module.default_attention(str(tiny_qwen_dir), cuda, entry, dtype) == expected
+    cpu = torch.device("cpu")
+    assert model_module.default_attention(str(tiny_qwen_dir), cpu, entry, dtype) == "sdpa"
 
 
 def test_remote_code_is_off_unless_the_entry_asks(tiny_qwen_dir, monkeypatch) -> None:

@@ -96,7 +96,7 @@ def load_base_model(
     dtype = resolve_dtype(entry.dtype, device)
     with COMPUTE_LOCK:
         loader = model_loader(source, entry)
-        attn = entry.attn_implementation or default_attention(source, device, entry)
+        attn = entry.attn_implementation or default_attention(source, device, entry, dtype)
         if entry.attn_implementation is not None:
             check_attention(source, entry)
         model = loader.from_pretrained(
@@ -220,9 +220,11 @@ def check_attention(source: str, entry: ModelEntry) -> None:
         )
 
 
-def default_attention(source: str, device: torch.device, entry: ModelEntry) -> str:
+def default_attention(
+    source: str, device: torch.device, entry: ModelEntry, dtype: torch.dtype
+) -> str:
     """The fastest attention the model's class supports: FlashAttention-2 on CUDA when
-    installed, else SDPA (made varlen by `use_packed_sdpa`), else eager. Attention that
+    installed and the weights are 16-bit (it computes nothing else), else SDPA (made varlen by `use_packed_sdpa`), else eager. Attention that
     SDPA or FlashAttention-2 would compute wrongly (sinks, soft-capping) moves to eager
     after the load (`architecture.needs_eager`)."""
     from transformers import AutoConfig
@@ -232,7 +234,8 @@ def default_attention(source: str, device: torch.device, entry: ModelEntry) -> s
     with contextlib.suppress(KeyError, ValueError):
         model_class = model_loader(source, entry)._model_mapping[type(config)]
     supports = lambda flag: model_class is None or bool(getattr(model_class, flag, True))  # noqa: E731
-    if device.type == "cuda" and _has_flash_attn() and supports("_supports_flash_attn"):
+    half = dtype in (torch.bfloat16, torch.float16)
+    if device.type == "cuda" and half and _has_flash_attn() and supports("_supports_flash_attn"):
         return "flash_attention_2"
     if supports("_supports_sdpa"):
         return "sdpa"
