@@ -431,6 +431,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "peak_tflops": peak / 1e12,
         "modes": [result.figures(peak) for result in results],
     }
+    if args.json is not None:  # written now too, so a step cut short keeps the modes' rows
+        args.json.write_text(json.dumps(figures, indent=1))
     if not args.no_merge:
         rounds = 2 if args.tiny else args.merge_rounds
         merge = run_merge(

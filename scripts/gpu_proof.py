@@ -70,21 +70,15 @@ class Step:
     gpu: list[str]
     cpu: list[str] | None
     env: dict[str, str] = field(default_factory=dict)
-    json_out: bool = False  # the command writes `{work}/{name}.json` (its figures)
-    junit: bool = False  # a pytest run: its counts come from `{work}/{name}.xml`
+    json_out: bool = False  # run with `--json {work}/{name}.json` (its figures)
+    junit: bool = False  # a pytest run, with `--junitxml={work}/{name}.xml` (its counts)
 
 
 def pytest(*args: str) -> list[str]:
     return [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
 
 
-def steps(work: Path) -> list[Step]:
-    def out(name: str) -> list[str]:
-        return ["--json", str(work / f"{name}.json")]
-
-    def junit(name: str) -> str:
-        return f"--junitxml={work / name}.xml"
-
+def steps() -> list[Step]:
     decode_gpu = ["--device", "cuda", "--dtype", "bfloat16", "--shape", "qwen3-0.6b"]
     decode_cpu = ["--device", "cpu", "--dtype", "float32", "--shape", "tiny"]
     grpo_gpu = ["--device", "cuda", "--dtype", "bfloat16", "--shape", "qwen3-0.6b"]
@@ -98,22 +92,22 @@ def steps(work: Path) -> list[Step]:
         Step(
             "gpu_tests",
             45,
-            pytest("-m", "gpu", "tests/perf", junit("gpu_tests")),
-            pytest("-m", "gpu", "tests/perf", junit("gpu_tests")),
+            pytest("-m", "gpu", "tests/perf"),
+            pytest("-m", "gpu", "tests/perf"),
             junit=True,
         ),
         Step(
             "bench_train",
             80,
-            [*bench, *out("bench_train")],
-            [*bench, "--tiny", *out("bench_train")],
+            bench,
+            [*bench, "--tiny"],
             json_out=True,
         ),
         Step(
             "bench_train_grad_ckpt",
             50,
-            [*bench, "--grad-ckpt", "--no-merge", *out("bench_train_grad_ckpt")],
-            [*bench, "--tiny", "--grad-ckpt", "--no-merge", *out("bench_train_grad_ckpt")],
+            [*bench, "--grad-ckpt", "--no-merge"],
+            [*bench, "--tiny", "--grad-ckpt", "--no-merge"],
             json_out=True,
         ),
         Step(
@@ -129,7 +123,6 @@ def steps(work: Path) -> list[Step]:
                 "512",
                 "--repeats",
                 "1",
-                *out("decode"),
             ],
             [
                 *decode,
@@ -141,21 +134,20 @@ def steps(work: Path) -> list[Step]:
                 "16",
                 "--repeats",
                 "1",
-                *out("decode"),
             ],
             json_out=True,
         ),
         Step(
             "grpo",
             100,
-            [*grpo, *grpo_gpu, *out("grpo")],
-            [*grpo, *grpo_cpu, "--steps", "2", "--group", "4", *out("grpo")],
+            [*grpo, *grpo_gpu],
+            [*grpo, *grpo_cpu, "--steps", "2", "--group", "4"],
             json_out=True,
         ),
         Step(
             "engine_tests_cuda",
             60,
-            pytest(*ENGINE_TESTS, "-m", "not distributed and not slow", junit("engine")),
+            pytest(*ENGINE_TESTS, "-m", "not distributed and not slow"),
             pytest(*ENGINE_TESTS, "--collect-only"),
             env=cuda,
             junit=True,
@@ -163,7 +155,7 @@ def steps(work: Path) -> list[Step]:
         Step(
             "conformance_cuda",
             60,
-            pytest("tests/models/test_conformance.py", junit("conformance_cuda")),
+            pytest("tests/models/test_conformance.py"),
             pytest("tests/models/test_conformance.py", "--collect-only"),
             env=cuda,
             junit=True,
@@ -191,6 +183,10 @@ def run_step(step: Step, rehearse: bool, work: Path, left_s: float) -> dict[str,
     command = step.cpu if rehearse else step.gpu
     if command is None:
         return {"status": "skipped", "why": "GPU-only"}
+    if step.json_out:
+        command = [*command, "--json", str(work / f"{step.name}.json")]
+    if step.junit:
+        command = [*command, f"--junitxml={work / step.name}.xml"]
     cap = min(step.cap_s, left_s)
     if cap < 10:
         return {"status": "skipped", "why": "out of time"}
@@ -248,7 +244,7 @@ def main() -> int:
         "steps": {},
     }
     wanted = set(args.only.split(",")) if args.only else None
-    for step in steps(work):
+    for step in steps():
         if wanted is not None and step.name not in wanted:
             continue
         print(f"gpu_proof: {step.name} ...", flush=True)

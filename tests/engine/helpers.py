@@ -67,7 +67,14 @@ def make_resource(
     generator: bool = True,
     options: EngineOptions | None = None,
 ) -> ModelResource:
-    entry = ModelEntry(name=name, location=str(model_dir), max_seq_length=256, max_lora_rank=64)
+    # fp32 on every device: the tests hold it to fp32 references (bf16 is the benchmarks')
+    entry = ModelEntry(
+        name=name,
+        location=str(model_dir),
+        max_seq_length=256,
+        max_lora_rank=64,
+        dtype="float32",
+    )
     spec = ResourceSpec(
         base_model=name,
         lora_enabled=lora,

@@ -57,6 +57,9 @@ def test_rehearsal_runs_every_step(tmp_path: Path) -> None:
     merge = train["merge"]
     assert merge["merged_over_serial"] > 0 and merge["merged_items"] <= merge["calls"]
     assert steps["bench_train_grad_ckpt"]["figures"]["grad_ckpt"] is True
+    # every pytest step's counts were read from its own JUnit file (collected only, on CPU)
+    for name in ("gpu_tests", "engine_tests_cuda", "conformance_cuda"):
+        assert steps[name]["tests"] >= 0 and steps[name]["failed_tests"] == [], name
 
     grpo = steps["grpo"]["figures"]
     assert [s["version"] for s in grpo["steps"]] == [1, 2]
