@@ -22,6 +22,7 @@ from api_helpers import ce_sample, reference_logprobs
 from conftest import LiveServer, serve_in_thread, wait_status
 
 from trainer.cli import build_parser, main, serve_config
+from trainer.compute import optim
 from trainer.contract.options import ENV_FALLBACKS, SECTIONS, DistributedOptions, EngineOptions
 from trainer.serving.config import ServeConfig, load_toml
 
@@ -35,6 +36,7 @@ KNOBS: dict[tuple[str, str], tuple[Any, Any]] = {
     ("engine", "token_budget"): (64, 128),
     ("engine", "chunk_tokens"): (8, 4),
     ("engine", "activation_checkpointing"): (True, False),
+    ("engine", "master_weights"): (False, True),
     ("engine", "logprob_backend"): ("liger", "ours"),
     ("engine", "merge"): (False, True),
     ("engine", "merge_window_ms"): (5.0, 7.5),
@@ -262,6 +264,7 @@ SEQUENCES = [[3 + i, 17, 42 + i, 9, 88, 5, 61 + i, 20, 11, 30 + i] for i in rang
 SMALL = [
     *("--engine-row-tokens", "9", "--engine-token-budget", "9", "--engine-chunk-tokens", "4"),
     "--engine-activation-checkpointing",
+    "--no-engine-master-weights",
 ]
 
 
@@ -282,6 +285,8 @@ def test_the_knobs_reach_every_live_session(
     ):
         sid, resource = _session(live, http)
         assert live.worker.sessions[sid].engine.options == engine
+        optimizer = live.worker.sessions[sid].engine.optimizer
+        assert isinstance(optimizer, optim.MasterAdamW) is engine.master_weights
         model = resource.model
         counter = Counter(
             # a layer's attention: its output is saved for the MLP, so a recompute runs it

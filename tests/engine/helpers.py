@@ -66,14 +66,15 @@ def make_resource(
     name: str = "tiny",
     generator: bool = True,
     options: EngineOptions | None = None,
+    dtype: str = "float32",
 ) -> ModelResource:
-    # fp32 on every device: the tests hold it to fp32 references (bf16 is the benchmarks')
+    # fp32 on every device by default: most tests hold it to fp32 references
     entry = ModelEntry(
         name=name,
         location=str(model_dir),
         max_seq_length=256,
         max_lora_rank=64,
-        dtype="float32",
+        dtype=dtype,  # type: ignore[arg-type]
     )
     spec = ResourceSpec(
         base_model=name,

@@ -29,27 +29,34 @@ def _train(session, steps: range) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
-def test_resume_is_bit_exact(tiny_qwen_dir, tmp_path, lora) -> None:
-    # LoRA with dropout: the continuation also needs the session's RNG state back.
+@pytest.mark.parametrize(
+    ("lora", "dtype"),
+    [(True, "float32"), (False, "float32"), (False, "bfloat16")],
+    ids=["lora", "full", "full-bf16"],
+)
+def test_resume_is_bit_exact(tiny_qwen_dir, tmp_path, lora, dtype) -> None:
+    # LoRA with dropout: the continuation also needs the session's RNG state back; bf16 full
+    # weights: their fp32 masters (optim.MasterAdamW) too.
     spec = (
         SessionSpec(lora_config=LoraConfig(rank=8, dropout=0.1, seed=5)) if lora else SessionSpec()
     )
-    straight = make_resource(tiny_qwen_dir, tmp_path / "store", lora=lora)
+    straight = make_resource(tiny_qwen_dir, tmp_path / "store", lora=lora, dtype=dtype)
     run = straight.create_session("straight", spec)
     uninterrupted = _train(run, range(5))
     final = weights_of(run)
     straight.close()
 
-    first = make_resource(tiny_qwen_dir, tmp_path / "store", lora=lora)
+    first = make_resource(tiny_qwen_dir, tmp_path / "store", lora=lora, dtype=dtype)
     part = first.create_session("part", spec)
     before = _train(part, range(2))
     checkpoint = part.save_training_checkpoint()
     first.close()
 
     # a different resource (a fresh process would look the same: everything is on disk)
-    second = make_resource(tiny_qwen_dir, tmp_path / "store", lora=lora)
+    second = make_resource(tiny_qwen_dir, tmp_path / "store", lora=lora, dtype=dtype)
     resumed = second.create_session("resumed", SessionSpec(resume_from_checkpoint_id=checkpoint.id))
+    masters = [s for s in resumed.optimizer.state.values() if optim.MASTER in s]
+    assert len(masters) == (len(resumed.policy.trainable) if dtype == "bfloat16" else 0)
     assert resumed.step == 2 and resumed.policy_state()["trainer_step"] == 2
     after = _train(resumed, range(2, 5))
     assert before + after == uninterrupted

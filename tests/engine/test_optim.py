@@ -52,3 +52,53 @@ def test_adamw_step_equals_torch_adamw_and_refuses_a_non_finite_norm() -> None:
         optim.adamw_step(optim.new_adamw(bad), bad, adam, Solo())
     assert err.value.code == "NON_FINITE_LOSS"
     assert all(torch.equal(p.detach(), b) for p, b in zip(bad, before, strict=True))
+
+
+def test_bf16_weights_step_through_fp32_masters() -> None:
+    """16-bit weights (full weights on CUDA) keep fp32 masters: after each step the weight is
+    its master rounded, and the master equals torch's AdamW run in fp32 on fp32 copies of the
+    first weights with the gradients in fp32. At lr 1e-5 a bf16 AdamW alone would not move
+    them at all; the masters' steps add up and show in the weights."""
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(64, 32), (32,)]
+    start = [torch.randn(s, generator=gen) * 0.05 for s in shapes]
+    ours = [torch.nn.Parameter(w.to(torch.bfloat16)) for w in start]
+    masters = [torch.nn.Parameter(w.to(torch.bfloat16).float()) for w in start]
+    plain = [torch.nn.Parameter(w.to(torch.bfloat16)) for w in start]  # bf16 AdamW, no masters
+    adam = AdamParams(learning_rate=1e-5, weight_decay=0.01, grad_clip_norm=0.0)
+    opt = optim.new_adamw(ours)
+    ref = torch.optim.AdamW(masters, lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    bare = torch.optim.AdamW(plain, lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    direction = [torch.randn(s, generator=gen).to(torch.bfloat16) for s in shapes]
+    for _ in range(20):  # one gradient direction, as a consistent training signal gives
+        grads = [g * (1 + 0.1 * torch.randn(g.shape, generator=gen)) for g in direction]
+        grads = [g.to(torch.bfloat16) for g in grads]
+        for p, m, q, g in zip(ours, masters, plain, grads, strict=True):
+            p.grad, m.grad, q.grad = g.clone(), g.float(), g.clone()
+        optim.adamw_step(opt, ours, adam, Solo())
+        ref.step()
+        bare.step()
+        for p, m in zip(ours, masters, strict=True):
+            assert p.dtype == torch.bfloat16
+            assert torch.equal(opt.state[p][optim.MASTER], m.detach())
+            assert torch.equal(p.detach(), m.detach().to(torch.bfloat16))
+            assert opt.state[p]["exp_avg"].dtype == torch.float32
+    first = [w.to(torch.bfloat16) for w in start]
+    moved = sum(int((p.detach() != w).sum()) for p, w in zip(ours, first, strict=True))
+    stuck = sum(int((q.detach() != w).sum()) for q, w in zip(plain, first, strict=True))
+    assert moved > 5 * stuck, (moved, stuck)  # bf16 AdamW alone loses most updates
+    ours_off = sum(
+        float((p.detach().float() - m.detach()).abs().sum()) for p, m in zip(ours, masters)
+    )
+    plain_off = sum(
+        float((q.detach().float() - m.detach()).abs().sum()) for q, m in zip(plain, masters)
+    )
+    assert plain_off > 2 * ours_off, (plain_off, ours_off)
+    # the masters travel with the rest of the state (a checkpoint's optimizer tensors)
+    named = {f"w{i}": p for i, p in enumerate(ours)}
+    saved = optim.state_tensors(opt, named)
+    assert saved["w0::master"].dtype == torch.float32
+    fresh = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    again = optim.new_adamw(fresh)
+    optim.load_state_tensors(again, {f"w{i}": p for i, p in enumerate(fresh)}, saved)
+    assert torch.equal(again.state[fresh[0]][optim.MASTER], opt.state[ours[0]][optim.MASTER])

@@ -224,9 +224,9 @@ def default_attention(
     source: str, device: torch.device, entry: ModelEntry, dtype: torch.dtype
 ) -> str:
     """The fastest attention the model's class supports: FlashAttention-2 on CUDA when
-    installed and the weights are 16-bit (it computes nothing else), else SDPA (made varlen by `use_packed_sdpa`), else eager. Attention that
-    SDPA or FlashAttention-2 would compute wrongly (sinks, soft-capping) moves to eager
-    after the load (`architecture.needs_eager`)."""
+    installed and the weights are 16-bit (it computes nothing else), else SDPA (made varlen
+    by `use_packed_sdpa`), else eager. Attention that SDPA or FlashAttention-2 would compute
+    wrongly (sinks, soft-capping) moves to eager after the load (`architecture.needs_eager`)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(source, trust_remote_code=entry.trust_remote_code)

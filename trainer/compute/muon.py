@@ -113,6 +113,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         adam: list[nn.Parameter],
         scaling_strategy: str,
         layouts: list[Layout] | None = None,
+        masters: bool = True,
     ) -> None:
         groups: list[dict[str, Any]] = [
             {
@@ -131,7 +132,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
             if param.ndim != (3 if layout == ("stack",) else 2):
                 raise ValueError(f"Muon updates 2-D matrices, not a tensor of shape {param.shape}")
             self.layouts[param] = layout
-        self.adamw = new_adamw(adam) if adam else None
+        self.adamw = new_adamw(adam, masters) if adam else None  # its fp32 masters, if any
         if self.adamw is not None:
             self.adamw.state = self.state  # one state for both sides (disjoint parameters)
 
@@ -176,12 +177,19 @@ def new_muon(
     trainable: dict[str, nn.Parameter],
     scaling_strategy: str,
     expert_factors: dict[str, int] | None = None,
+    masters: bool = True,
 ) -> MuonWithAdamW:
-    """`expert_factors`: a LoRA policy's (canonical name -> experts) of its expert factors."""
+    """`expert_factors`: a LoRA policy's (canonical name -> experts) of its expert factors.
+    `masters`: the AdamW side's 16-bit weights step through fp32 masters (`optim.MasterAdamW`);
+    the Muon side steps its matrices in their own dtype."""
     muon, adam = muon_split(trainable)
     layouts = [layout_of(n, trainable[n].shape, expert_factors) for n in muon]
     return MuonWithAdamW(
-        [trainable[n] for n in muon], [trainable[n] for n in adam], scaling_strategy, layouts
+        [trainable[n] for n in muon],
+        [trainable[n] for n in adam],
+        scaling_strategy,
+        layouts,
+        masters,
     )
 
 

@@ -32,9 +32,52 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def new_adamw(params: list[nn.Parameter]) -> torch.optim.AdamW:
-    """The session's AdamW; every knob is set again by each step (`adamw_step`)."""
-    return torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
+HALF = (torch.bfloat16, torch.float16)
+MASTER = "master"  # the optimizer-state slot of a 16-bit weight's fp32 master copy
+
+
+class MasterAdamW(torch.optim.AdamW):
+    """`torch.optim.AdamW` that steps 16-bit weights through fp32 master copies.
+
+    A bf16 weight cannot take an update much below 2**-8 of itself (an AdamW step moves it by
+    about the learning rate, so at 1e-5 most weights of a full-weight bf16 model would never
+    move, nor decay). Each 16-bit weight therefore keeps an fp32 copy in its optimizer state
+    (slot `master`, made from the weight at its first step, saved and restored with the rest of
+    the state); the step runs torch's AdamW on the masters with the gradients in fp32, in fp32
+    moments, and the weights become the masters rounded to their dtype. fp32 weights (the CPU,
+    LoRA adapters) step exactly as `torch.optim.AdamW`. DTensor shards step as they are."""
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        swapped: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = []
+        try:
+            for group in self.param_groups:
+                for param in group["params"]:
+                    if param.grad is None or param.dtype not in HALF:
+                        continue
+                    if isinstance(param, DTensor):
+                        continue
+                    state = self.state[param]
+                    master = state.pop(MASTER, None)
+                    if master is None:
+                        master = param.detach().float()
+                    swapped.append((param, param.data, param.grad))
+                    param.data = master
+                    param.grad = param.grad.float()
+            super().step()
+        finally:
+            for param, weight, grad in swapped:
+                master = param.data
+                weight.copy_(master)
+                param.data, param.grad = weight, grad
+                self.state[param][MASTER] = master
+
+
+def new_adamw(params: list[nn.Parameter], masters: bool = True) -> torch.optim.AdamW:
+    """The session's AdamW (with `masters`, fp32 masters for 16-bit weights: `MasterAdamW`);
+    every knob is set again by each step (`adamw_step`)."""
+    kind = MasterAdamW if masters else torch.optim.AdamW
+    return kind(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
 
 
 def grad_norm(grads: list[torch.Tensor], comm: Communicator) -> float:

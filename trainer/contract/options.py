@@ -49,6 +49,10 @@ class EngineOptions(StrictSpec):
     activation_checkpointing: bool = Field(
         default=False, description="recompute decoder layers in the backward"
     )
+    master_weights: bool = Field(
+        default=True,
+        description="16-bit full weights step through fp32 master copies (AdamW)",
+    )
     logprob_backend: LogprobBackend = Field(
         default="ours",
         description="`liger`: liger-kernel's fused head on CUDA where it applies, else ours",

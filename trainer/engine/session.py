@@ -92,9 +92,12 @@ class TrainingSession:
                 self.policy.trainable,
                 config["muon"]["scaling_strategy"],
                 self.policy.expert_factors,  # LoRA on MoE experts
+                masters=self.options.master_weights,
             )
             if optimizer_kind(config) == "muon"
-            else optim.new_adamw(list(self.policy.trainable.values()))
+            else optim.new_adamw(
+                list(self.policy.trainable.values()), masters=self.options.master_weights
+            )
         )
         # the session's RNG streams between operations (`operation_scope` swaps them in), all
         # drawn from its seed: the CPU's and each CUDA device's (dropout masks on a GPU)
