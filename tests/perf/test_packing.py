@@ -37,12 +37,18 @@ def test_packed_and_padded_logprobs_are_equal(tiny_model_dir) -> None:
     torch.testing.assert_close(torch.cat(packed), padded, atol=1e-5, rtol=0)
 
 
-def test_packed_sdpa_equals_block_mask_with_gradients(tiny_model_dir) -> None:
+def test_packed_sdpa_equals_block_mask_with_gradients(tiny_model_dir, monkeypatch) -> None:
     """The varlen fallback (`packed_sdpa`, one unpadded row) equals the dense block-diagonal
-    mask, values and gradients, within 1e-5."""
+    mask, values and gradients, within 1e-5; it reads the position ids to the host once per
+    forward, not once per layer (on a GPU each read is a sync)."""
     from transformers import AutoModelForCausalLM
 
+    from trainer.compute import attention
     from trainer.compute.attention import PACKED_SDPA, is_varlen, use_packed_sdpa
+
+    reads = []
+    split = attention._all_segments
+    monkeypatch.setattr(attention, "_all_segments", lambda ids: reads.append(1) or split(ids))
 
     samples = random_batch(6, n=6, lengths=(1, 25), mask="mask")
     prepared = prepare_samples(samples, vocab_size=128, max_seq_length=64, max_batch_size=16)
@@ -60,6 +66,7 @@ def test_packed_sdpa_equals_block_mask_with_gradients(tiny_model_dir) -> None:
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         results.append((lp.detach(), grads))
     (lp_a, grads_a), (lp_b, grads_b) = results
+    assert model.config.num_hidden_layers >= 2 and len(reads) == 1
     torch.testing.assert_close(lp_b, lp_a, atol=1e-5, rtol=0)
     assert grads_a.keys() == grads_b.keys()
     for name in grads_a:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,12 +22,34 @@ def is_varlen(attn_implementation: str | None) -> bool:
     )
 
 
-def _segments(position_ids_T: torch.Tensor) -> list[tuple[int, int]]:
-    starts = torch.nonzero(position_ids_T == 0).squeeze(-1).tolist()
-    if not starts or starts[0] != 0:
-        starts = [0, *starts]
-    ends = [*starts[1:], int(position_ids_T.shape[0])]
-    return list(zip(starts, ends))
+_memo = threading.local()  # the last position ids' segments on this thread (`_row_segments`)
+
+
+def _row_segments(position_ids: torch.Tensor, row: int) -> list[tuple[int, int]]:
+    """Row `row`'s samples as (start, end), split where its positions restart at 0.
+
+    Every layer of a forward (and the recompute of activation checkpointing) is given the same
+    position ids, so they are read to the host once and reused while the tensor lives
+    unchanged: one device-to-host copy per forward, not one per layer."""
+    entry = getattr(_memo, "entry", None)
+    if entry is None or entry[0]() is not position_ids or entry[1] != position_ids._version:
+        entry = (weakref.ref(position_ids), position_ids._version, _all_segments(position_ids))
+        _memo.entry = entry
+    rows: list[list[tuple[int, int]]] = entry[2]
+    return rows[min(row, len(rows) - 1)]
+
+
+def _all_segments(position_ids_R_T: torch.Tensor) -> list[list[tuple[int, int]]]:
+    length = int(position_ids_R_T.shape[-1])
+    starts: list[list[int]] = [[] for _ in range(position_ids_R_T.shape[0])]
+    for row, column in torch.nonzero(position_ids_R_T == 0).tolist():  # the one host copy
+        starts[row].append(column)
+    out = []
+    for row_starts in starts:
+        if not row_starts or row_starts[0] != 0:
+            row_starts = [0, *row_starts]
+        out.append(list(zip(row_starts, [*row_starts[1:], length], strict=True)))
+    return out
 
 
 def packed_sdpa_forward(
@@ -68,7 +91,7 @@ def packed_sdpa_forward(
     for b in range(query.shape[0]):
         parts = []
         if isinstance(position_ids, torch.Tensor):
-            segments = _segments(position_ids[min(b, position_ids.shape[0] - 1)])
+            segments = _row_segments(position_ids, b)
         else:
             segments = [(0, int(query.shape[2]))]
         for start, end in segments:
