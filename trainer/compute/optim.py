@@ -191,10 +191,14 @@ class _Saved:
         for param in self.params:
             values = self.optimizer.state.get(param, {}).values()
             tensors += [local_part(v) for v in values if torch.is_tensor(v)]
-        bad = torch.zeros(1, dtype=torch.float64, device=comm.device)
+        # reduced on each tensor's device and summed there: one host read, not one per tensor
+        flags: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         for tensor in tensors:
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                bad += 1
+            if tensor.is_floating_point():
+                flags[tensor.device].append(torch.isfinite(tensor).all())
+        bad = torch.zeros(1, dtype=torch.float64, device=comm.device)
+        for found in flags.values():
+            bad += (~torch.stack(found)).sum().to(bad.device, torch.float64)
         return float(comm.sum_(bad)) == 0
 
 
