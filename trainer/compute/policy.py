@@ -227,7 +227,8 @@ class LoraPolicy(Policy):
         }
         if not isinstance(peft_config.target_modules, str):  # a composite's regex: exact
             peft_config.target_modules = set(peft_config.target_modules) - inner
-        with quiet_peft_warnings(), torch.random.fork_rng(devices=cuda_devices()):
+        device = resource_model.get_input_embeddings().weight.device
+        with quiet_peft_warnings(), torch.random.fork_rng(devices=cuda_devices(device)):
             torch.manual_seed(seed)
             self._peft = shared.add(resource_model, peft_config, name)
             if with_generator:
@@ -416,13 +417,16 @@ class FullPolicy(Policy):
         self.generator = None
 
 
-def cuda_devices() -> list[int]:
-    """The CUDA devices whose RNG a session owns: all visible ones in one process, only its
-    own under torch.distributed (one device per rank)."""
-    if not torch.cuda.is_available():
+def cuda_devices(device: torch.device | None = None) -> list[int]:
+    """The CUDA devices whose RNG a session owns: the one it computes on (`device`: none for
+    the CPU, so a CPU worker on a GPU host never opens a CUDA context), its own under
+    torch.distributed (one device per rank), else every visible one."""
+    if not torch.cuda.is_available() or (device is not None and device.type != "cuda"):
         return []
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return [torch.cuda.current_device()]
+    if device is not None:
+        return [device.index if device.index is not None else torch.cuda.current_device()]
     return list(range(torch.cuda.device_count()))
 
 

@@ -137,7 +137,7 @@ class InProcessGenerator(Generator):
         lock = self.resource.lock
         if not isinstance(lock, TurnLock) or steps <= 0 or self.resource.comm.world_size > 1:
             return sampler.Turns()
-        devices = cuda_devices()
+        devices = cuda_devices(self.resource.device)
 
         def give_turn() -> None:
             cpu = torch.get_rng_state()

@@ -101,7 +101,7 @@ class TrainingSession:
         )
         # the session's RNG streams between operations (`operation_scope` swaps them in), all
         # drawn from its seed: the CPU's and each CUDA device's (dropout masks on a GPU)
-        devices = cuda_devices()
+        devices = cuda_devices(self.resource.device)
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(self.rng_seed)
             self.cpu_rng = torch.get_rng_state()
@@ -145,7 +145,7 @@ class TrainingSession:
         publish included) are put back and the undo actions it registered run in reverse."""
         if not self.active:
             raise OperationError("SESSION_NOT_ACTIVE", f"session {self.id} is not running")
-        devices = cuda_devices()
+        devices = cuda_devices(self.resource.device)
         with self.resource.lock, torch.random.fork_rng(devices=devices):
             torch.set_rng_state(self.cpu_rng)
             for i, state in zip(devices, self.cuda_rng):
