@@ -39,38 +39,59 @@ MASTER = "master"  # the optimizer-state slot of a 16-bit weight's fp32 master c
 class MasterAdamW(torch.optim.AdamW):
     """`torch.optim.AdamW` that steps 16-bit weights through fp32 master copies.
 
-    A bf16 weight cannot take an update much below 2**-8 of itself (an AdamW step moves it by
+    A bf16 weight cannot take an update much below 2**-9 of itself (an AdamW step moves it by
     about the learning rate, so at 1e-5 most weights of a full-weight bf16 model would never
     move, nor decay). Each 16-bit weight therefore keeps an fp32 copy in its optimizer state
     (slot `master`, made from the weight at its first step, saved and restored with the rest of
-    the state); the step runs torch's AdamW on the masters with the gradients in fp32, in fp32
-    moments, and the weights become the masters rounded to their dtype. fp32 weights (the CPU,
-    LoRA adapters) step exactly as `torch.optim.AdamW`. DTensor shards step as they are."""
+    the state); torch's AdamW steps the masters, with the gradients in fp32 and fp32 moments,
+    and the weights become the masters rounded to their dtype. FSDP2 shards (DTensors) keep
+    sharded masters. fp32 weights (the CPU, LoRA adapters) step exactly as `torch.optim.AdamW`.
+    """
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:  # type: ignore[override]
-        swapped: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = []
-        try:
-            for group in self.param_groups:
-                for param in group["params"]:
-                    if param.grad is None or param.dtype not in HALF:
-                        continue
-                    if isinstance(param, DTensor):
-                        continue
-                    state = self.state[param]
-                    master = state.pop(MASTER, None)
-                    if master is None:
-                        master = param.detach().float()
-                    swapped.append((param, param.data, param.grad))
-                    param.data = master
-                    param.grad = param.grad.float()
+        grads = {
+            p: p.grad
+            for group in self.param_groups
+            for p in group["params"]
+            if p.grad is not None and p.dtype in HALF
+        }
+        if not grads:
             super().step()
+            return
+        # the 16-bit weights' masters stand in for them in an AdamW of the same groups, whose
+        # state is the weights' own state (one dict each: moments and step land there)
+        steps: list[tuple[nn.Parameter, nn.Parameter, dict]] = []
+        groups = []
+        for group in self.param_groups:
+            stand_ins = []
+            for param in group["params"]:
+                if param not in grads:
+                    continue
+                state = self.state[param]
+                master = state.pop(MASTER, None)
+                stand_in = nn.Parameter(param.detach().float() if master is None else master)
+                stand_in.grad = grads[param].float()
+                steps.append((param, stand_in, state))
+                stand_ins.append(stand_in)
+            if stand_ins:
+                groups.append(
+                    {**{k: v for k, v in group.items() if k != "params"}, "params": stand_ins}
+                )
+        try:
+            for param in grads:
+                param.grad = None  # the plain step below leaves them to the masters'
+            super().step()
+            masters = torch.optim.AdamW(groups)
+            for _, stand_in, state in steps:
+                masters.state[stand_in] = state
+            masters.step()
+            for param, stand_in, _ in steps:
+                param.detach().copy_(stand_in.detach())
         finally:
-            for param, weight, grad in swapped:
-                master = param.data
-                weight.copy_(master)
-                param.data, param.grad = weight, grad
-                self.state[param][MASTER] = master
+            for param, stand_in, state in steps:
+                state[MASTER] = stand_in.detach()
+                param.grad = grads[param]
 
 
 def new_adamw(params: list[nn.Parameter], masters: bool = True) -> torch.optim.AdamW:

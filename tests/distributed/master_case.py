@@ -1,0 +1,63 @@
+"""One rank of `test_master_weights_sharded`: bf16 weights sharded by FSDP2 over the ranks,
+stepped by the session's AdamW (fp32 masters), the full weights and masters written by rank 0.
+
+    python -m tests.distributed.master_case OUT_FILE   (under tests.distributed.launch)
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from tests.distributed.launch import leave
+from trainer.compute import optim
+from trainer.contract.specs import AdamParams
+
+STEPS = 4
+ADAM = AdamParams(learning_rate=1e-5, weight_decay=0.01)
+SHAPES = [(6, 8), (6,), (4, 6)]
+
+
+def weights_and_grads() -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """The starting bf16 weights and every step's bf16 gradients (the same on every rank)."""
+    gen = torch.Generator().manual_seed(3)
+    weights = [(torch.randn(s, generator=gen) * 0.05).to(torch.bfloat16) for s in SHAPES]
+    grads = [
+        [torch.randn(s, generator=gen).to(torch.bfloat16) for s in SHAPES] for _ in range(STEPS)
+    ]
+    return weights, grads
+
+
+def main() -> int:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    weights, grads = weights_and_grads()
+    model = torch.nn.ParameterList([torch.nn.Parameter(w.clone()) for w in weights])
+    fully_shard(model, mesh=mesh)
+    params = list(model.parameters())
+    opt = optim.new_adamw(params)
+    for step in grads:
+        for param, grad in zip(params, step, strict=True):
+            param.grad = distribute_tensor(grad, mesh, param.placements)
+        optim.set_adam_knobs(opt, ADAM)
+        opt.step()
+    out = {}
+    for i, param in enumerate(params):
+        out[f"w{i}"] = param.full_tensor()
+        out[f"m{i}"] = opt.state[param][optim.MASTER].full_tensor()
+        assert param.to_local().numel() < param.numel() or param.numel() < 2  # sharded
+    if dist.get_rank() == 0:
+        save_file({k: v.contiguous() for k, v in out.items()}, sys.argv[1])
+    dist.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    leave(main())
