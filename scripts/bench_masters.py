@@ -13,6 +13,7 @@ arm's optimizer state holds.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -51,6 +52,7 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--json", type=Path, help="write the figures here too")
     args = parser.parse_args()
     spec = shapes("full", args.layers, 0)
     arms = {
@@ -76,13 +78,29 @@ def main() -> int:
                 times[arm].append(time.perf_counter() - start)
     plain, masters = statistics.median(times["plain"]), statistics.median(times["masters"])
     numel = sum(p.numel() for p in arms["plain"])
-    print(
-        f"| full bf16, {args.layers} layers | {numel / 1e6:.1f} M | {args.device} "
-        f"| {plain * 1e3:.1f} ms | {masters * 1e3:.1f} ms | **{masters / plain:.2f}×** "
-        f"| {_state_bytes(opts['plain']) / 2**30:.2f} GiB "
-        f"| {_state_bytes(opts['masters']) / 2**30:.2f} GiB |"
-    )
+    figures = {
+        "layers": args.layers,
+        "numel": numel,
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "plain_ms": plain * 1e3,
+        "masters_ms": masters * 1e3,
+        "ratio": masters / plain,
+        "plain_state_gib": _state_bytes(opts["plain"]) / 2**30,
+        "masters_state_gib": _state_bytes(opts["masters"]) / 2**30,
+    }
+    print(row(figures))
+    if args.json is not None:
+        args.json.write_text(json.dumps(figures, indent=1))
     return 0
+
+
+def row(f: dict) -> str:
+    """The figures as a BENCHMARKS.md row."""
+    return (
+        f"| full bf16, {f['layers']} layers | {f['numel'] / 1e6:.1f} M | {f['device']} "
+        f"| {f['plain_ms']:.1f} ms | {f['masters_ms']:.1f} ms | **{f['ratio']:.2f}×** "
+        f"| {f['plain_state_gib']:.2f} GiB | {f['masters_state_gib']:.2f} GiB |"
+    )
 
 
 if __name__ == "__main__":

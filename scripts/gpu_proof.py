@@ -86,6 +86,7 @@ def steps() -> list[Step]:
     bench = [PY, str(ROOT / "scripts" / "bench_gpu.py")]
     decode = [PY, str(ROOT / "scripts" / "bench_decode.py")]
     grpo = [PY, str(ROOT / "scripts" / "gpu_grpo.py")]
+    masters = [PY, str(ROOT / "scripts" / "bench_masters.py")]
     cuda = {"TRAINER_TEST_DEVICE": "cuda"}
     return [
         Step("versions", 30, [PY, "-c", VERSIONS], [PY, "-c", VERSIONS]),
@@ -159,6 +160,13 @@ def steps() -> list[Step]:
             pytest("tests/models/test_conformance.py", "--collect-only"),
             env=cuda,
             junit=True,
+        ),
+        Step(
+            "masters",
+            40,
+            [*masters, "--device", "cuda"],
+            [*masters, "--device", "cpu", "--layers", "1", "--steps", "1", "--warmup", "0"],
+            json_out=True,
         ),
     ]
 

@@ -80,6 +80,19 @@ def _grpo(figures: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _masters(f: dict[str, Any]) -> list[str]:
+    """bf16 AdamW beside AdamW with fp32 masters (`scripts/bench_masters.py`)."""
+    return [
+        "`masters`: AdamW step on bf16 full weights, fp32 masters ÷ none",
+        "",
+        "| weights | numel | device | bf16 AdamW | + fp32 masters | ratio | state | with masters |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| full bf16, {f['layers']} layers | {f['numel'] / 1e6:.1f} M | {f['device']} | "
+        f"{f['plain_ms']:.1f} ms | {f['masters_ms']:.1f} ms | {f['ratio']:.2f}x | "
+        f"{f['plain_state_gib']:.2f} GiB | {f['masters_state_gib']:.2f} GiB |",
+    ]
+
+
 def _tests(name: str, step: dict[str, Any]) -> list[str]:
     counts = ", ".join(f"{k} {step.get(k, 0)}" for k in ("tests", "failures", "errors", "skipped"))
     lines = [f"- `{name}`: {step['status']}; {counts}"]
@@ -110,6 +123,8 @@ def report(data: dict[str, Any]) -> str:
             lines += [*_train(name, step["figures"]), ""]
         elif name == "decode":
             lines += [f"`decode` ({step['status']})", "", *_decode(step["figures"]), ""]
+        elif name == "masters":
+            lines += [*_masters(step["figures"]), ""]
         elif name == "grpo":
             lines += [f"`grpo` ({step['status']})", "", *_grpo(step["figures"]), ""]
         else:

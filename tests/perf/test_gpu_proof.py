@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -42,6 +44,7 @@ def test_rehearsal_runs_every_step(tmp_path: Path) -> None:
         "grpo",
         "engine_tests_cuda",
         "conformance_cuda",
+        "masters",
     }
     assert (tmp_path / "proof.log").stat().st_size > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["figures.json", "proof.log"]
@@ -60,6 +63,10 @@ def test_rehearsal_runs_every_step(tmp_path: Path) -> None:
     # every pytest step's counts were read from its own JUnit file (collected only, on CPU)
     for name in ("gpu_tests", "engine_tests_cuda", "conformance_cuda"):
         assert steps[name]["tests"] >= 0 and steps[name]["failed_tests"] == [], name
+
+    masters = steps["masters"]["figures"]  # 12 bytes of state a weight against 4
+    assert masters["masters_state_gib"] == pytest.approx(3 * masters["plain_state_gib"])
+    assert masters["plain_ms"] > 0 and masters["ratio"] > 0
 
     grpo = steps["grpo"]["figures"]
     assert [s["version"] for s in grpo["steps"]] == [1, 2]
@@ -86,3 +93,4 @@ def test_rehearsal_runs_every_step(tmp_path: Path) -> None:
     ).stdout
     assert table.startswith("GPU proof on CPU (rehearsal)")
     assert "| LoRA r32 |" in table and "| 1 |" in table and "failed" not in table
+    assert "| full bf16, 1 layers |" in table
