@@ -105,6 +105,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         return 2
     from trainer.distributed.comm import is_distributed_launch
 
+    start_autograd()
     if is_distributed_launch():
         return _run_serve_distributed(config, args.log_level)
     try:
@@ -112,6 +113,22 @@ def _run_serve(args: argparse.Namespace) -> int:
     except StartupError as exc:
         print(f"trainer serve: {exc}", file=sys.stderr)
         return 2
+
+
+def start_autograd() -> None:
+    """Set up, on the main thread, what torch would otherwise set up lazily on an operation
+    thread: the autograd engine's device threads (its first backward) and, on a CUDA build
+    of torch without a GPU, the no-op CUDA device guard that DTensor's fake-tensor sharding
+    rules install. With torch 2.11's CUDA build on a GPU-less machine, a torchrun rank whose
+    first backward, or first DTensor op, ran on an operation thread crashed (SIGSEGV in
+    `Engine::start_device_threads`, then in `FakeTensorMode.__enter__`)."""
+    import torch
+
+    if torch.backends.cuda.is_built() and not torch.cuda.is_available():
+        ensure = getattr(torch._C, "_ensureCUDADeviceGuardSet", None)
+        if ensure is not None:
+            ensure()
+    torch.ones(1, requires_grad=True).sum().backward()
 
 
 def _run_serve_distributed(config: Any, log_level: str) -> int:
