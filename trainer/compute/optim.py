@@ -62,23 +62,23 @@ class MasterAdamW(torch.optim.AdamW):
         # the 16-bit weights' masters stand in for them in an AdamW of the same groups, whose
         # state is the weights' own state (one dict each: moments and step land there)
         steps: list[tuple[nn.Parameter, nn.Parameter, dict]] = []
-        groups = []
-        for group in self.param_groups:
-            stand_ins = []
-            for param in group["params"]:
-                if param not in grads:
-                    continue
-                state = self.state[param]
-                master = state.pop(MASTER, None)
-                stand_in = nn.Parameter(param.detach().float() if master is None else master)
-                stand_in.grad = grads[param].float()
-                steps.append((param, stand_in, state))
-                stand_ins.append(stand_in)
-            if stand_ins:
-                groups.append(
-                    {**{k: v for k, v in group.items() if k != "params"}, "params": stand_ins}
-                )
-        try:
+        try:  # every master taken out of its state below goes back in, whatever fails
+            groups = []
+            for group in self.param_groups:
+                stand_ins = []
+                for param in group["params"]:
+                    if param not in grads:
+                        continue
+                    state = self.state[param]
+                    master = state.pop(MASTER, None)
+                    stand_in = nn.Parameter(param.detach().float() if master is None else master)
+                    steps.append((param, stand_in, state))
+                    stand_in.grad = grads[param].float()
+                    stand_ins.append(stand_in)
+                if stand_ins:
+                    groups.append(
+                        {**{k: v for k, v in group.items() if k != "params"}, "params": stand_ins}
+                    )
             for param in grads:
                 param.grad = None  # the plain step below leaves them to the masters'
             super().step()
@@ -89,9 +89,10 @@ class MasterAdamW(torch.optim.AdamW):
             for param, stand_in, _ in steps:
                 param.detach().copy_(stand_in.detach())
         finally:
-            for param, stand_in, state in steps:
+            for _, stand_in, state in steps:
                 state[MASTER] = stand_in.detach()
-                param.grad = grads[param]
+            for param, grad in grads.items():
+                param.grad = grad
 
 
 def new_adamw(params: list[nn.Parameter], masters: bool = True) -> torch.optim.AdamW:
