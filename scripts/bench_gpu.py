@@ -453,8 +453,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("|---|---|---|---|---|")
         print(merge.row())
         figures["merge"] = merge.figures()
-    if args.json is not None:
-        args.json.write_text(json.dumps(figures, indent=1))
+        if args.json is not None:
+            args.json.write_text(json.dumps(figures, indent=1))
     if args.vllm_python:
         run_vllm(args.vllm_python, device, shape, tiny=args.tiny)
     return 0

@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from scripts.bench_muon import _params as fp32
 from scripts.bench_muon import _sync, shapes
 from trainer.compute import optim
 from trainer.compute.placement import Solo
@@ -30,11 +31,8 @@ from trainer.contract.specs import AdamParams
 
 
 def _params(spec: dict[str, tuple[int, ...]], device: str) -> list[torch.nn.Parameter]:
-    gen = torch.Generator(device=device).manual_seed(0)
-    return [
-        torch.nn.Parameter((torch.randn(s, device=device, generator=gen) * 0.02).to(torch.bfloat16))
-        for s in spec.values()
-    ]
+    """`bench_muon`'s weights, in bf16."""
+    return [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in fp32(spec, device).values()]
 
 
 def _state_bytes(opt: torch.optim.Optimizer) -> int:
