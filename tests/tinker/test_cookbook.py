@@ -304,9 +304,14 @@ def test_on_policy_distillation_scores_with_its_teacher(
     )["."]
     steps = [m for m in out["metrics"] if "teacher_kl" in m]
     assert [m["progress/batch"] for m in steps] == [0, 1, 2], out["metrics"]
+    # `teacher_kl` is a Monte Carlo estimate over a step's 64 sampled tokens; a teacher
+    # identical to the student gives 0 at every step (its logprobs are the sampler's). In 29
+    # runs a step gave 0.77 +- 0.17 (lowest 0.23; one CI run 0.085), the mean of the three
+    # steps 0.77 +- 0.10 (lowest 0.55): each step is asserted apart from 0, their mean at 5 sd
+    kls = [m["teacher_kl"] for m in steps]
+    assert finite(kls) and all(abs(kl) > 1e-3 for kl in kls), kls
+    assert sum(kls) / len(kls) > 0.25, kls
     for m in steps:
-        # a teacher identical to the student would give 0 (its logprobs are the sampler's)
-        assert finite([m["teacher_kl"]]) and m["teacher_kl"] > 0.1, m
         assert m["env/all/total_episodes"] == 8 and m["env/all/reward/total"] == 0.0, m
         assert m["env/all/by_group/frac_all_bad"] == 1.0  # every group ties on reward ...
         assert finite([m["grad_norm"]]) and m["grad_norm"] > 0, m  # ... and still trains
