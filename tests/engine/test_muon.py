@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 from tests.engine.helpers import assert_same, grads_of, random_batch, weights_of
 from trainer.checkpoint.store import CheckpointStore
-from trainer.compute.muon import muon_split
+from trainer.compute.muon import MuonWithAdamW, muon_split
+from trainer.compute.optim import MASTER
 from trainer.contract.errors import OperationError
 from trainer.contract.muon_params import MuonParams
 from trainer.contract.specs import (
@@ -218,6 +219,41 @@ def test_update_matches_float64_reference(tiny_llama_dir, tmp_path, lora, strate
     assert moved >= len(muon) // 2 * steps
     assert clipped_any == (params.grad_clip_norm in (1.0, 0.05)), "clip active where meant"
     resource.close()
+
+
+def test_bf16_matrices_step_through_fp32_masters() -> None:
+    """16-bit matrices keep fp32 masters on the Muon side too (as `MasterAdamW` on the AdamW
+    side): after each step the master equals the same Muon run on fp32 copies of the first
+    weights with the gradients in fp32, bit for bit, and the weight is the master rounded, its
+    momentum in fp32. At lr 1e-4 a bf16 Muon alone loses most of its updates."""
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(32, 16), (16, 48)]
+    start = [(torch.randn(s, generator=gen) * 0.05).to(torch.bfloat16) for s in shapes]
+    ours, ref, bare = ([torch.nn.Parameter(w.clone()) for w in start] for _ in range(3))
+    ref = [torch.nn.Parameter(w.detach().float()) for w in ref]
+    knobs = MuonParams(learning_rate=1e-4, weight_decay=0.01)
+    optimizers = []
+    for params, masters in ((ours, True), (ref, True), (bare, False)):
+        optimizers.append(MuonWithAdamW(params, [], MATCH, masters=masters))
+        optimizers[-1].set_knobs(knobs)
+    direction = [torch.randn(s, generator=gen) for s in shapes]
+    for _ in range(20):  # one direction, as a consistent training signal gives
+        grads = [
+            (g + 0.1 * torch.randn(g.shape, generator=gen)).to(torch.bfloat16) for g in direction
+        ]
+        for p, r, b, g in zip(ours, ref, bare, grads, strict=True):
+            p.grad, r.grad, b.grad = g.clone(), g.float(), g.clone()
+        for optimizer in optimizers:
+            optimizer.step()
+        for p, r in zip(ours, ref, strict=True):
+            state = optimizers[0].state[p]
+            assert p.dtype == torch.bfloat16 and state["momentum_buffer"].dtype == torch.float32
+            assert torch.equal(state[MASTER], r.detach())
+            assert torch.equal(p.detach(), r.detach().to(torch.bfloat16))
+    moved = sum(int((p.detach() != w).sum()) for p, w in zip(ours, start, strict=True))
+    stuck = sum(int((b.detach() != w).sum()) for b, w in zip(bare, start, strict=True))
+    assert moved > 5 * stuck, (moved, stuck)
+    assert MASTER not in optimizers[2].state[bare[0]]  # `master_weights = false`: none kept
 
 
 def test_defaults_and_mismatched_params(tiny_qwen_dir, tmp_path) -> None:

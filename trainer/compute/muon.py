@@ -14,6 +14,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr
 
 from trainer.compute.optim import (
+    HALF,
+    MASTER,
     all_or_nothing,
     clip_global,
     new_adamw,
@@ -132,6 +134,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
             if param.ndim != (3 if layout == ("stack",) else 2):
                 raise ValueError(f"Muon updates 2-D matrices, not a tensor of shape {param.shape}")
             self.layouts[param] = layout
+        self.masters = masters
         self.adamw = new_adamw(adam, masters) if adam else None  # its fp32 masters, if any
         if self.adamw is not None:
             self.adamw.state = self.state  # one state for both sides (disjoint parameters)
@@ -153,17 +156,29 @@ class MuonWithAdamW(torch.optim.Optimizer):
         for param in group["params"]:
             if param.grad is None:
                 continue
-            grad = param.grad
             state = self.state[param]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(grad)
-            buf = state["momentum_buffer"]
+            # a 16-bit matrix steps its fp32 master (slot `master`, as `optim.MasterAdamW`)
+            # with the gradient and the momentum in fp32, then takes the master rounded
+            master = None
+            if self.masters and param.dtype in HALF:
+                master = state.get(MASTER)
+                if master is None:
+                    master = param.detach().float()
+            grad = param.grad if master is None else param.grad.float()
+            buf = state.get("momentum_buffer")
+            if buf is None or buf.dtype != grad.dtype:  # new, or saved without masters
+                buf = torch.zeros_like(grad) if buf is None else buf.to(grad.dtype)
+            state["momentum_buffer"] = buf
             buf.lerp_(grad, 1 - mu)
             layout = self.layouts.get(param)
             update = orthogonalise(_full(grad.lerp(buf, mu)), layout, group["ns_steps"])
             shape = expert_view(update, layout).shape[1:]  # one expert's matrix
-            param.mul_(1 - lr * decay)
-            param.add_(_like(param, update), alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape))
+            target = param if master is None else master
+            target.mul_(1 - lr * decay)
+            target.add_(_like(param, update), alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape))
+            if master is not None:
+                state[MASTER] = master
+                param.copy_(master)
         if self.adamw is not None:
             self.adamw.step()
 
@@ -180,8 +195,8 @@ def new_muon(
     masters: bool = True,
 ) -> MuonWithAdamW:
     """`expert_factors`: a LoRA policy's (canonical name -> experts) of its expert factors.
-    `masters`: the AdamW side's 16-bit weights step through fp32 masters (`optim.MasterAdamW`);
-    the Muon side steps its matrices in their own dtype."""
+    `masters`: 16-bit weights step through fp32 masters, on the AdamW side
+    (`optim.MasterAdamW`) and on the Muon side (`MuonWithAdamW.step`) alike."""
     muon, adam = muon_split(trainable)
     layouts = [layout_of(n, trainable[n].shape, expert_factors) for n in muon]
     return MuonWithAdamW(

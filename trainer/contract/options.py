@@ -51,7 +51,7 @@ class EngineOptions(StrictSpec):
     )
     master_weights: bool = Field(
         default=True,
-        description="16-bit full weights step through fp32 master copies (AdamW)",
+        description="16-bit full weights step through fp32 master copies (AdamW and Muon)",
     )
     logprob_backend: LogprobBackend = Field(
         default="ours",
