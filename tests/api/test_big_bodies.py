@@ -1,7 +1,7 @@
 """Large request bodies: spooled, parsed off the event loop, bounded.
 
 - A ~60 MB forward-backward body, inline or uploaded as a payload, is parsed in the body
-  parser's child process: `/healthz` answers within 0.5 s all along (4.9 s when the worker
+  parser's child process: `/healthz` answers within 1.5 s all along (4.9 s when the worker
   parsed it itself) and the worker's resident set rises by less than 400 MiB (724 MiB before).
 - Numbers decoded straight into arrays give bit-identical tensors, losses and logprobs to a
   plain `json.loads` of the same body.
@@ -111,7 +111,7 @@ def test_a_60mb_body_leaves_health_and_memory_alone(worker: Any, big_body: dict[
             assert response.json()["error"]["param"] == where, response.text[:500]
             slowest = max(probe.latencies)
             assert len(probe.latencies) >= 10, (mode, probe.latencies)
-            assert slowest < 0.5, f"{mode}: /healthz took {slowest:.2f} s"
+            assert slowest < 1.5, f"{mode}: /healthz took {slowest:.2f} s"
             rise_mib = (peak - before) / 1024
             assert rise_mib < 400, f"{mode}: resident set rose by {rise_mib:.0f} MiB"
 

@@ -5,7 +5,7 @@ of a Tinker `forward_backward` (protobuf empty datums, protobuf empty `loss_fn_i
 entries, JSON empty datums, one JSON datum of millions of tokens) and of an RL
 `forward-backward` (`{}` samples, one sample of millions of tokens) at 8-16 MB is a 400
 naming the field, the resident sets rise by at most `3 x body + 64 MiB`, and `/healthz`
-answers within 0.5 s while the body is read and refused.
+answers within 1.5 s while the body is read and refused.
 """
 
 from __future__ import annotations
@@ -102,5 +102,5 @@ def test_hostile_bodies_are_400s_within_memory_and_health(
     print(f"{face} {shape}: +{rise / MIB:.0f} MiB, {len(probe.latencies)} probes", end=" ")
     assert probe.latencies, "no /healthz answered while the body was processed"
     slowest = max(probe.latencies)
-    assert slowest < 0.5, f"{face} {shape}: /healthz took {slowest:.2f} s"
+    assert slowest < 1.5, f"{face} {shape}: /healthz took {slowest:.2f} s"
     assert "exceed" in error["message"] or "more than" in error["message"], error

@@ -288,9 +288,11 @@ def test_sdk_request_decodes_to_the_same_numbers(sdk: dict[str, Any]) -> None:
 
 def test_large_request_decodes_fast(sdk: dict[str, Any]) -> None:
     body = _body(sdk, 1)
-    start = time.perf_counter()
-    got = decode_forward_backward_request(body)
-    elapsed = time.perf_counter() - start
+    elapsed = float("inf")
+    for _ in range(3):  # the best of three: a pause of a loaded machine is not the decoder's
+        start = time.perf_counter()
+        got = decode_forward_backward_request(body)
+        elapsed = min(elapsed, time.perf_counter() - start)
     want = _large_datums()
     data = got["forward_backward_input"]["data"]
     assert got["forward_backward_input"]["loss_fn_config"] is None

@@ -120,12 +120,16 @@ def test_sdft_reverse_mode_runs_its_custom_loss(
     assert model.lora_rank == 128
     metrics = out["metrics"]
     assert [m["progress/batch"] for m in metrics] == [0, 1], metrics
+    # as in the default mode, a step whose completions are all 3 tokens or fewer scores no
+    # position (the recipe then logs no mean; about 1 step in 120 when measured); one does
     for m in metrics:
-        # KL between two distributions renormalized over the teacher's top 20: never negative
-        assert m["sdft/reverse_kl_mean"] >= -1e-6, m
-        assert m["sdft/reverse_kl_positions"] > 0, m
         assert math.isfinite(m["sdft/reverse_kl_loss"]), m
-        assert m["grad_norm"] > 0 and math.isfinite(m["grad_norm"]), m
+        assert m["grad_norm"] >= 0 and math.isfinite(m["grad_norm"]), m
+        if m["sdft/reverse_kl_positions"] > 0:
+            # KL between two distributions renormalized over the teacher's top 20: >= 0
+            assert m["sdft/reverse_kl_mean"] >= -1e-6, m
+            assert m["grad_norm"] > 0, m  # scored positions move the weights
+    assert any(m["sdft/reverse_kl_positions"] > 0 for m in metrics), metrics
     # each step: the SDK's forward of (N, 20) logprobs, then its backward with 2-D weights
     assert [f.kind for f in futures] == ["Forward", "ForwardBackward"] * 2, futures
     for future in futures:
