@@ -20,18 +20,24 @@ from trainer.contract.muon_params import MuonParams
 from trainer.contract.specs import AdamParams
 
 STEPS = 4
+CALLS = 3  # gradients accumulated (in fp32) before each step, as forward-backward calls give
 ADAM = AdamParams(learning_rate=1e-5, weight_decay=0.01)
 MUON = MuonParams(learning_rate=1e-4, weight_decay=0.01, adam=ADAM)
 MATCH = "MUON_SCALING_STRATEGY_MATCH_ADAM"
 SHAPES = [(6, 8), (6,), (4, 6)]
 
 
-def weights_and_grads() -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
-    """The starting bf16 weights and every step's bf16 gradients (the same on every rank)."""
+Grads = list[list[list[torch.Tensor]]]  # [step][call][tensor]
+
+
+def weights_and_grads() -> tuple[list[torch.Tensor], Grads]:
+    """The starting bf16 weights and every step's calls' bf16 gradients (alike on every
+    rank)."""
     gen = torch.Generator().manual_seed(3)
     weights = [(torch.randn(s, generator=gen) * 0.05).to(torch.bfloat16) for s in SHAPES]
     grads = [
-        [torch.randn(s, generator=gen).to(torch.bfloat16) for s in SHAPES] for _ in range(STEPS)
+        [[torch.randn(s, generator=gen).to(torch.bfloat16) for s in SHAPES] for _ in range(CALLS)]
+        for _ in range(STEPS)
     ]
     return weights, grads
 
@@ -63,9 +69,12 @@ def main() -> int:
         params = list(model.parameters())
         opt = new_optimizer(kind, params)
         for step in grads:
-            for param, grad in zip(params, step, strict=True):
-                param.grad = distribute_tensor(grad, mesh, param.placements)
+            for call in step:
+                for param, grad in zip(params, call, strict=True):
+                    param.grad = distribute_tensor(grad, mesh, param.placements)
+                optim.accumulate_(opt, params)
             opt.step()
+            opt.zero_grad()
         for i, param in enumerate(params):
             out[f"{kind}.w{i}"] = param.full_tensor()
             out[f"{kind}.m{i}"] = opt.state[param][optim.MASTER].full_tensor()

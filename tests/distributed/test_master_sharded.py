@@ -1,7 +1,8 @@
 """fp32 masters of bf16 weights sharded by FSDP2 (two gloo ranks) step exactly as in one
 process: each rank's shard of the weights and masters, gathered, equals `MasterAdamW` (and
-Muon with its AdamW) on the whole tensors. AdamW is elementwise, and Muon orthogonalises the
-gathered matrix on every rank alike, so the split changes no bit."""
+Muon with its AdamW) on the whole tensors, each step's calls' gradients summed in fp32. AdamW
+is elementwise, and Muon orthogonalises the gathered matrix on every rank alike, so the split
+changes no bit."""
 
 from __future__ import annotations
 
@@ -34,9 +35,12 @@ def test_sharded_bf16_weights_step_like_one_process(tmp_path) -> None:
         params = [torch.nn.Parameter(w.clone()) for w in weights]
         opt = new_optimizer(kind, params)
         for step in grads:
-            for param, grad in zip(params, step, strict=True):
-                param.grad = grad.clone()
+            for call in step:
+                for param, grad in zip(params, call, strict=True):
+                    param.grad = grad.clone()
+                optim.accumulate_(opt, params)
             opt.step()
+            opt.zero_grad()
         for i, param in enumerate(params):
             w, m = got[f"{kind}.w{i}"], got[f"{kind}.m{i}"]
             assert w.dtype == torch.bfloat16 and m.dtype == torch.float32

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.engine.helpers import make_resource, random_batch
 from trainer.compute import optim
 from trainer.compute.placement import Solo
 from trainer.contract.errors import OperationError
-from trainer.contract.specs import AdamParams
+from trainer.contract.specs import AdamParams, Gradient, LossConfig, SessionSpec
 
 
 def _params(seed: int, scale: float = 1.0) -> list[torch.nn.Parameter]:
@@ -27,7 +28,7 @@ def test_grad_norm_and_clipping_equal_torch() -> None:
     norm = optim.grad_norm(grads, Solo())
     expected = torch.nn.utils.get_total_norm([p.grad for p in ref if p.grad is not None])
     assert norm == float(expected)
-    optim.clip_grads_(ours, 1.5, norm)
+    optim.clip_grads_(grads, 1.5, norm)
     torch.nn.utils.clip_grads_with_norm_(ref, 1.5, torch.tensor(norm))
     for a, b in zip(ours, ref, strict=True):
         assert torch.equal(a.grad, b.grad)
@@ -102,3 +103,99 @@ def test_bf16_weights_step_through_fp32_masters() -> None:
     again = optim.new_adamw(fresh)
     optim.load_state_tensors(again, {f"w{i}": p for i, p in enumerate(fresh)}, saved)
     assert torch.equal(again.state[fresh[0]][optim.MASTER], opt.state[ours[0]][optim.MASTER])
+
+
+def test_bf16_gradients_add_up_in_fp32() -> None:
+    """With masters, each call's bf16 gradient of a 16-bit weight moves into an fp32 sum
+    (`accumulate_`), so a large call does not swallow the small ones after it as a bf16 sum
+    would. The step takes the sums, scaled and clipped, as torch's AdamW on fp32 copies takes
+    them; a step refused as non-finite leaves the sums as they were, unscaled."""
+    gen = torch.Generator().manual_seed(11)
+    shapes = [(64, 32), (32,)]
+    start = [(torch.randn(s, generator=gen) * 0.05).to(torch.bfloat16) for s in shapes]
+    ours = [torch.nn.Parameter(w.clone()) for w in start]
+    masters = [torch.nn.Parameter(w.float()) for w in start]
+    opt = optim.new_adamw(ours)
+    # one large call, then 15 small ones: 1e-3 is below half of bf16's step at 1
+    calls = [[torch.randn(s, generator=gen) for s in shapes]]
+    calls += [[torch.randn(s, generator=gen) * 1e-3 for s in shapes] for _ in range(15)]
+    calls = [[g.to(torch.bfloat16) for g in call] for call in calls]
+    for call in calls:
+        for p, g in zip(ours, call, strict=True):
+            p.grad = g.clone()
+        optim.accumulate_(opt, ours)
+        assert all(p.grad is None for p in ours)
+    want = []
+    for i in range(len(shapes)):
+        total, rounded = calls[0][i].float(), calls[0][i].clone()
+        for call in calls[1:]:
+            total, rounded = total + call[i].float(), rounded + call[i]
+        want.append(total)
+        assert not torch.equal(rounded.float(), total)  # a bf16 sum would lose the small calls
+    sums = optim.wide_grads(opt)
+    assert sums is not None
+    for p, w in zip(ours, want, strict=True):
+        assert torch.equal(sums[p], w)
+
+    adam = AdamParams(learning_rate=1e-4, weight_decay=0.01, grad_clip_norm=0.5)
+    scale = 1 / len(calls)
+    sums[ours[1]][0] = float("inf")
+    with pytest.raises(OperationError) as err:
+        optim.adamw_step(opt, ours, adam, Solo(), grad_scale=scale)
+    assert err.value.code == "NON_FINITE_LOSS"
+    assert torch.isinf(sums[ours[1]][0]) and torch.equal(sums[ours[0]], want[0])  # unscaled
+    assert torch.equal(sums[ours[1]][1:], want[1][1:]) and not opt.state
+    sums[ours[1]][0] = want[1][0]
+
+    metrics = optim.adamw_step(opt, ours, adam, Solo(), grad_scale=scale)
+    for m, w in zip(masters, want, strict=True):
+        m.grad = w * scale
+    norm = torch.nn.utils.get_total_norm([m.grad for m in masters if m.grad is not None])
+    assert metrics["grad_norm"] == float(norm) > 0.5  # the clip is active
+    torch.nn.utils.clip_grads_with_norm_(masters, 0.5, norm)
+    torch.optim.AdamW(masters, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01).step()
+    for p, m in zip(ours, masters, strict=True):
+        assert torch.equal(opt.state[p][optim.MASTER], m.detach())
+        assert torch.equal(p.detach(), m.detach().to(torch.bfloat16))
+    assert not sums  # the step consumed them
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_bf16_full_weights_sum_their_calls_in_fp32(family, tiny_qwen_dir, tiny_llama_dir, tmp_path):
+    """A bf16 full-weight session: its gradients over four forward-backward calls are the
+    fp32 sum of each call's gradient (the call run alone, its bf16 gradient widened); a call
+    refused as non-finite in between adds nothing; the step consumes the sums."""
+    model_dir = tiny_qwen_dir if family == "qwen3" else tiny_llama_dir
+    resource = make_resource(model_dir, tmp_path, lora=False, generator=False, dtype="bfloat16")
+    session = resource.create_session("s", SessionSpec())
+    params = list(session.policy.trainable.values())
+    assert params and all(p.dtype == torch.bfloat16 for p in params)
+    ce = LossConfig(type="cross_entropy")
+    batches = [random_batch(50 + k, n=3, weights="ones") for k in range(4)]
+    sums = optim.wide_grads(session.optimizer)
+    assert sums is not None
+    alone = []
+    for batch in batches:
+        session.forward_backward(ce, batch)
+        assert all(p.grad is None for p in params)  # widened into the sums
+        alone.append({p: sums[p].clone() for p in params})
+        session.optimizer.zero_grad()
+    for k, batch in enumerate(batches):
+        session.forward_backward(ce, batch)
+        if k == 1:
+            bad = random_batch(60, n=2)
+            grads = [Gradient(data=[3e38] * len(s.model_input.tokens)) for s in bad]
+            with pytest.raises(OperationError) as info:
+                session.custom_forward_backward(bad, grads)
+            assert info.value.code == "NON_FINITE_LOSS"
+    rounded = 0
+    for p in params:
+        want, narrow = alone[0][p], alone[0][p].to(torch.bfloat16)
+        for call in alone[1:]:
+            want, narrow = want + call[p], narrow + call[p].to(torch.bfloat16)
+        assert torch.equal(sums[p], want)
+        rounded += int((narrow.float() != want).sum())
+    assert rounded > 0  # a bf16 sum would have rounded some of them
+    assert session.optim_step(AdamParams(learning_rate=1e-3))["metrics"]["grad_norm"] > 0
+    assert not sums
+    resource.close()

@@ -70,7 +70,10 @@ def _sample(mask: list[float]) -> PreparedSample:
 
 def test_the_accumulated_counts_and_their_scale() -> None:
     session: Any = SimpleNamespace(
-        policy=SimpleNamespace(trainable={}), accumulated_tokens=0, accumulated_sequences=0
+        policy=SimpleNamespace(trainable={}),
+        optimizer=None,  # one that keeps no fp32 sums
+        accumulated_tokens=0,
+        accumulated_sequences=0,
     )
     TrainingSession.keep_grads(session, {}, [_sample([1, 1, 0]), _sample([0, 0])])
     TrainingSession.keep_grads(session, {}, [_sample([1, 1, 1, 1])])

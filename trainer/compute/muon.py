@@ -16,11 +16,13 @@ from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr
 from trainer.compute.optim import (
     HALF,
     MASTER,
+    MasterAdamW,
     all_or_nothing,
     clip_global,
     new_adamw,
     scale_grads_,
     set_adam_knobs,
+    step_grads,
 )
 from trainer.contract.muon_params import MuonParams
 from trainer.contract.optimizer import ADJUST_LR_FN
@@ -135,9 +137,13 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 raise ValueError(f"Muon updates 2-D matrices, not a tensor of shape {param.shape}")
             self.layouts[param] = layout
         self.masters = masters
+        # with masters, the 16-bit weights' gradients add up in fp32 (`optim.accumulate_`)
+        self.wide_grads: dict[nn.Parameter, torch.Tensor] | None = {} if masters else None
         self.adamw = new_adamw(adam, masters) if adam else None  # its fp32 masters, if any
         if self.adamw is not None:
             self.adamw.state = self.state  # one state for both sides (disjoint parameters)
+            if isinstance(self.adamw, MasterAdamW) and self.wide_grads is not None:
+                self.adamw.wide_grads = self.wide_grads  # and one set of sums
 
     def set_knobs(self, muon: MuonParams) -> None:
         self.param_groups[0].update(
@@ -153,8 +159,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         group = self.param_groups[0]
         lr, mu, decay = group["lr"], group["momentum"], group["weight_decay"]
+        wide = self.wide_grads or {}
         for param in group["params"]:
-            if param.grad is None:
+            grad = wide.get(param, param.grad)
+            if grad is None:
                 continue
             state = self.state[param]
             # a 16-bit matrix steps its fp32 master (slot `master`, as `optim.MasterAdamW`)
@@ -164,7 +172,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 master = state.get(MASTER)
                 if master is None:
                     master = param.detach().float()
-            grad = param.grad if master is None else param.grad.float()
+            grad = grad if master is None else grad.float()
             buf = state.get("momentum_buffer")
             if buf is None or buf.dtype != grad.dtype:  # new, or saved without masters
                 buf = torch.zeros_like(grad) if buf is None else buf.to(grad.dtype)
@@ -186,6 +194,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
         if self.adamw is not None:
             self.adamw.zero_grad(set_to_none)
+        if self.wide_grads is not None:
+            self.wide_grads.clear()
 
 
 def new_muon(
@@ -220,8 +230,9 @@ def muon_step(
     zero gradients. NON_FINITE_LOSS, and nothing moves, when the norm or the update is not
     finite (`all_or_nothing`)."""
     with all_or_nothing(optimizer, params, comm):
-        scale_grads_(params, grad_scale)
-        norm = clip_global(params, muon.grad_clip_norm, comm)
+        grads = step_grads(optimizer, params)
+        scale_grads_(grads, grad_scale)
+        norm = clip_global(grads, muon.grad_clip_norm, comm)
         clipped = min(norm, muon.grad_clip_norm) if muon.grad_clip_norm > 0 else norm
         optimizer.set_knobs(muon)
         optimizer.step()

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -46,19 +46,32 @@ class MasterAdamW(torch.optim.AdamW):
     the state); torch's AdamW steps the masters, with the gradients in fp32 and fp32 moments,
     and the weights become the masters rounded to their dtype. FSDP2 shards (DTensors) keep
     sharded masters. fp32 weights (the CPU, LoRA adapters) step exactly as `torch.optim.AdamW`.
+
+    The 16-bit weights' gradients add up in fp32 too: `wide_grads` holds each one's fp32 sum
+    since the last step (`accumulate_` moves each call's `.grad` into it), which the step takes
+    in place of `.grad` and `zero_grad` clears.
     """
+
+    def __init__(self, params: list[nn.Parameter], **knobs: Any) -> None:
+        super().__init__(params, **knobs)
+        self.wide_grads: dict[nn.Parameter, torch.Tensor] = {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self.wide_grads.clear()
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:  # type: ignore[override]
-        grads = {
-            p: p.grad
-            for group in self.param_groups
-            for p in group["params"]
-            if p.grad is not None and p.dtype in HALF
-        }
+        grads = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                grad = self.wide_grads.get(p, p.grad)
+                if grad is not None and p.dtype in HALF:
+                    grads[p] = grad
         if not grads:
             super().step()
             return
+        own = {p: p.grad for p in grads if p.grad is not None}  # off for the plain step below
         # the 16-bit weights' masters stand in for them in an AdamW of the same groups, whose
         # state is the weights' own state (one dict each: moments and step land there)
         steps: list[tuple[nn.Parameter, nn.Parameter, dict]] = []
@@ -79,7 +92,7 @@ class MasterAdamW(torch.optim.AdamW):
                     groups.append(
                         {**{k: v for k, v in group.items() if k != "params"}, "params": stand_ins}
                     )
-            for param in grads:
+            for param in own:
                 param.grad = None  # the plain step below leaves them to the masters'
             super().step()
             masters = torch.optim.AdamW(groups)
@@ -91,8 +104,37 @@ class MasterAdamW(torch.optim.AdamW):
         finally:
             for _, stand_in, state in steps:
                 state[MASTER] = stand_in.detach()
-            for param, grad in grads.items():
+            for param, grad in own.items():
                 param.grad = grad
+
+
+def wide_grads(optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, torch.Tensor] | None:
+    """The optimizer's fp32 gradient sums of 16-bit weights (`MasterAdamW`, and Muon with
+    masters), or None where it keeps none (`master_weights = false`)."""
+    wide: dict[nn.Parameter, torch.Tensor] | None = getattr(optimizer, "wide_grads", None)
+    return wide
+
+
+def accumulate_(optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter]) -> None:
+    """Move each 16-bit weight's `.grad` (a call's new gradient) into the optimizer's fp32 sum
+    of it, where the optimizer keeps one: sums across calls are not rounded to 16 bits."""
+    wide = wide_grads(optimizer)
+    if wide is None:
+        return
+    with torch.no_grad():
+        for param in params:
+            if param.grad is not None and param.dtype in HALF:
+                total = wide.get(param)
+                wide[param] = param.grad.float() if total is None else total.add_(param.grad)
+                param.grad = None
+
+
+def step_grads(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """The gradients a step takes: each weight's fp32 sum where the optimizer keeps one, else
+    its `.grad`."""
+    wide = wide_grads(optimizer) or {}
+    grads = [wide.get(p, p.grad) for p in params]
+    return [g for g in grads if g is not None]
 
 
 def new_adamw(params: list[nn.Parameter], masters: bool = True) -> torch.optim.AdamW:
@@ -117,20 +159,20 @@ def grad_norm(grads: list[torch.Tensor], comm: Communicator) -> float:
 
 
 def check_finite_grads(params: list[nn.Parameter], comm: Communicator) -> None:
-    """NON_FINITE_LOSS unless every rank's gradients are finite. Collective."""
+    """NON_FINITE_LOSS unless every rank's `.grad` (a call's new gradients) is finite.
+    Collective."""
     grads = [p.grad for p in params if p.grad is not None]
     if not torch.isfinite(torch.tensor(grad_norm(grads, comm))):
         raise OperationError("NON_FINITE_LOSS", "the gradient is not finite")
 
 
-def clip_grads_(params: list[nn.Parameter], max_norm: float, norm: float) -> None:
+def clip_grads_(grads: list[torch.Tensor], max_norm: float, norm: float) -> None:
     """`torch.nn.utils.clip_grads_with_norm_` on each rank's part of the gradients."""
     coef = torch.clamp(max_norm / (torch.tensor(norm) + 1e-6), max=1.0)
     with torch.no_grad():
-        for param in params:
-            if param.grad is not None:
-                grad = local_part(param.grad)
-                grad.mul_(coef.to(grad.device))
+        for grad in grads:
+            part = local_part(grad)
+            part.mul_(coef.to(part.device))
 
 
 def sum_replicated_grads(params: list[nn.Parameter], comm: Communicator) -> None:
@@ -148,26 +190,24 @@ def sum_replicated_grads(params: list[nn.Parameter], comm: Communicator) -> None
         offset += n
 
 
-def clip_global(params: list[nn.Parameter], max_norm: float, comm: Communicator) -> float:
+def clip_global(grads: list[torch.Tensor], max_norm: float, comm: Communicator) -> float:
     """The global norm over every tensor's gradient, then the clip to `max_norm` (0: none).
     NON_FINITE_LOSS, before any weight moves, when the norm is not finite. Collective."""
-    grads = [p.grad for p in params if p.grad is not None]
     norm = grad_norm(grads, comm)
     if not torch.isfinite(torch.tensor(norm)):
         raise OperationError("NON_FINITE_LOSS", f"the gradient norm is {norm}")
     if max_norm > 0 and grads:
-        clip_grads_(params, max_norm, norm)
+        clip_grads_(grads, max_norm, norm)
     return norm
 
 
-def scale_grads_(params: list[nn.Parameter], scale: float) -> None:
+def scale_grads_(grads: list[torch.Tensor], scale: float) -> None:
     """Multiply each rank's part of the gradients by `scale` (1: untouched, bit for bit)."""
     if scale == 1.0:
         return
     with torch.no_grad():
-        for param in params:
-            if param.grad is not None:
-                local_part(param.grad).mul_(scale)
+        for grad in grads:
+            local_part(grad).mul_(scale)
 
 
 def set_adam_knobs(optimizer: torch.optim.Optimizer, adam: AdamParams) -> None:
@@ -188,6 +228,8 @@ class _Saved:
         with torch.no_grad():
             self.weights = [local_part(p.detach()).clone() for p in params]
             self.grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
+            self.wide = wide_grads(optimizer)
+            self.wide_sums = {p: g.detach().clone() for p, g in (self.wide or {}).items()}
             self.state = {
                 p: {
                     k: v.clone() if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()
@@ -201,6 +243,9 @@ class _Saved:
             for param, weights, grad in zip(self.params, self.weights, self.grads, strict=True):
                 local_part(param.detach()).copy_(weights)
                 param.grad = grad
+            if self.wide is not None:
+                self.wide.clear()
+                self.wide.update(self.wide_sums)
             for param in self.params:
                 if param in self.state:
                     self.optimizer.state[param] = self.state[param]
@@ -259,8 +304,9 @@ def adamw_step(
     gradients. NON_FINITE_LOSS, and nothing moves (the gradients unscaled), when the norm or
     the update is not finite (`all_or_nothing`)."""
     with all_or_nothing(optimizer, params, comm):
-        scale_grads_(params, grad_scale)
-        norm = clip_global(params, adam.grad_clip_norm, comm)
+        grads = step_grads(optimizer, params)
+        scale_grads_(grads, grad_scale)
+        norm = clip_global(grads, adam.grad_clip_norm, comm)
         clipped = min(norm, adam.grad_clip_norm) if adam.grad_clip_norm > 0 else norm
         set_adam_knobs(optimizer, adam)
         optimizer.step()

@@ -295,6 +295,8 @@ class TrainingSession:
             if old is None:
                 continue
             param.grad = old if param.grad is None else old.add_(param.grad)
+        # with masters, 16-bit weights' gradients add up in fp32 (docs/semantics.md §7)
+        optim.accumulate_(self.optimizer, self.policy.trainable.values())
         for sample in prepared:  # every call's samples (every rank counts them all)
             tokens = int((sample.mask_T != 0).sum())
             self.accumulated_tokens += tokens
@@ -466,8 +468,7 @@ class TrainingSession:
         with self.resource.lock:
             self.active = False
             self.optimizer.state.clear()
-            for param in self.policy.trainable.values():
-                param.grad = None
+            self.optimizer.zero_grad(set_to_none=True)  # and the fp32 sums beside them
             self.generator.close()
             self.policy.close()
             if self.tracker is not None:
