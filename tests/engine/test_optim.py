@@ -9,6 +9,7 @@ from tests.engine.helpers import make_resource, random_batch
 from trainer.compute import optim
 from trainer.compute.placement import Solo
 from trainer.contract.errors import OperationError
+from trainer.contract.options import EngineOptions
 from trainer.contract.specs import AdamParams, Gradient, LossConfig, SessionSpec
 
 
@@ -160,42 +161,78 @@ def test_bf16_gradients_add_up_in_fp32() -> None:
     assert not sums  # the step consumed them
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_bf16_full_weights_sum_their_calls_in_fp32(family, tiny_qwen_dir, tiny_llama_dir, tmp_path):
-    """A bf16 full-weight session: its gradients over four forward-backward calls are the
-    fp32 sum of each call's gradient (the call run alone, its bf16 gradient widened); a call
-    refused as non-finite in between adds nothing; the step consumes the sums."""
-    model_dir = tiny_qwen_dir if family == "qwen3" else tiny_llama_dir
-    resource = make_resource(model_dir, tmp_path, lora=False, generator=False, dtype="bfloat16")
+CE = LossConfig(type="cross_entropy")
+
+
+def _bf16_session(model_dir, tmp_path, options: EngineOptions | None = None):
+    """A bf16 full-weight session on `model_dir`, its weights and its optimizer's fp32 sums."""
+    resource = make_resource(
+        model_dir, tmp_path, lora=False, generator=False, dtype="bfloat16", options=options
+    )
     session = resource.create_session("s", SessionSpec())
     params = list(session.policy.trainable.values())
     assert params and all(p.dtype == torch.bfloat16 for p in params)
-    ce = LossConfig(type="cross_entropy")
-    batches = [random_batch(50 + k, n=3, weights="ones") for k in range(4)]
     sums = optim.wide_grads(session.optimizer)
     assert sums is not None
+    return resource, session, params, sums
+
+
+def _each_alone(session, params, sums, batches) -> list[dict]:
+    """Each batch's gradient as a call of its own (widened), the sums cleared after each."""
     alone = []
     for batch in batches:
-        session.forward_backward(ce, batch)
+        session.forward_backward(CE, batch)
         assert all(p.grad is None for p in params)  # widened into the sums
         alone.append({p: sums[p].clone() for p in params})
         session.optimizer.zero_grad()
+    return alone
+
+
+def _assert_fp32_sum(sums, alone, params) -> None:
+    """`sums` is `alone` added in order in fp32; the same added in bf16 would differ."""
+    rounded = 0
+    for p in params:
+        want, narrow = alone[0][p], alone[0][p].to(torch.bfloat16)
+        for part in alone[1:]:
+            want, narrow = want + part[p], narrow + part[p].to(torch.bfloat16)
+        assert torch.equal(sums[p], want)
+        rounded += int((narrow.float() != want).sum())
+    assert rounded > 0  # a bf16 sum would have rounded some of them
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_bf16_full_weights_sum_their_calls_in_fp32(family, tiny_qwen_dir, tiny_llama_dir, tmp_path):
+    """A bf16 full-weight session: its gradients over four forward-backward calls are the
+    fp32 sum of each call's gradient (the call run alone, widened); a call refused as
+    non-finite in between adds nothing; the step consumes the sums."""
+    model_dir = tiny_qwen_dir if family == "qwen3" else tiny_llama_dir
+    resource, session, params, sums = _bf16_session(model_dir, tmp_path)
+    batches = [random_batch(50 + k, n=3, weights="ones") for k in range(4)]
+    alone = _each_alone(session, params, sums, batches)
     for k, batch in enumerate(batches):
-        session.forward_backward(ce, batch)
+        session.forward_backward(CE, batch)
         if k == 1:
             bad = random_batch(60, n=2)
             grads = [Gradient(data=[3e38] * len(s.model_input.tokens)) for s in bad]
             with pytest.raises(OperationError) as info:
                 session.custom_forward_backward(bad, grads)
             assert info.value.code == "NON_FINITE_LOSS"
-    rounded = 0
-    for p in params:
-        want, narrow = alone[0][p], alone[0][p].to(torch.bfloat16)
-        for call in alone[1:]:
-            want, narrow = want + call[p], narrow + call[p].to(torch.bfloat16)
-        assert torch.equal(sums[p], want)
-        rounded += int((narrow.float() != want).sum())
-    assert rounded > 0  # a bf16 sum would have rounded some of them
+    _assert_fp32_sum(sums, alone, params)
     assert session.optim_step(AdamParams(learning_rate=1e-3))["metrics"]["grad_norm"] > 0
     assert not sums
+    resource.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_bf16_micro_batches_sum_in_fp32(family, tiny_qwen_dir, tiny_llama_dir, tmp_path):
+    """Within one call too: a call of four 16-token rows runs as four micro-batches of one row
+    (`token_budget` 16), and its gradient is the fp32 sum of the four rows' gradients, each the
+    row's call alone widened, not a sum rounded to bf16 at each micro-batch."""
+    model_dir = tiny_qwen_dir if family == "qwen3" else tiny_llama_dir
+    small = EngineOptions(row_tokens=16, token_budget=16)
+    resource, session, params, sums = _bf16_session(model_dir, tmp_path, small)
+    rows = random_batch(70, n=4, lengths=(16, 16), weights="ones")
+    alone = _each_alone(session, params, sums, [[row] for row in rows])
+    session.forward_backward(CE, rows)
+    _assert_fp32_sum(sums, alone, params)
     resource.close()

@@ -48,8 +48,8 @@ class MasterAdamW(torch.optim.AdamW):
     sharded masters. fp32 weights (the CPU, LoRA adapters) step exactly as `torch.optim.AdamW`.
 
     The 16-bit weights' gradients add up in fp32 too: `wide_grads` holds each one's fp32 sum
-    since the last step (`accumulate_` moves each call's `.grad` into it), which the step takes
-    in place of `.grad` and `zero_grad` clears.
+    since the last step (`accumulate_` moves each backward's `.grad` into it), which the step
+    takes in place of `.grad` and `zero_grad` clears.
     """
 
     def __init__(self, params: list[nn.Parameter], **knobs: Any) -> None:
@@ -116,8 +116,9 @@ def wide_grads(optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, torch.Ten
 
 
 def accumulate_(optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter]) -> None:
-    """Move each 16-bit weight's `.grad` (a call's new gradient) into the optimizer's fp32 sum
-    of it, where the optimizer keeps one: sums across calls are not rounded to 16 bits."""
+    """Move each 16-bit weight's `.grad` (a backward's gradient) into the optimizer's fp32 sum
+    of it, where the optimizer keeps one: sums over micro-batches and calls are not rounded to
+    16 bits."""
     wide = wide_grads(optimizer)
     if wide is None:
         return
@@ -158,10 +159,9 @@ def grad_norm(grads: list[torch.Tensor], comm: Communicator) -> float:
     return float(squares.sqrt())
 
 
-def check_finite_grads(params: list[nn.Parameter], comm: Communicator) -> None:
-    """NON_FINITE_LOSS unless every rank's `.grad` (a call's new gradients) is finite.
+def check_finite_grads(grads: list[torch.Tensor], comm: Communicator) -> None:
+    """NON_FINITE_LOSS unless every rank's `grads` (a call's new gradients) are finite.
     Collective."""
-    grads = [p.grad for p in params if p.grad is not None]
     if not torch.isfinite(torch.tensor(grad_norm(grads, comm))):
         raise OperationError("NON_FINITE_LOSS", "the gradient is not finite")
 

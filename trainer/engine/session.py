@@ -275,28 +275,52 @@ class TrainingSession:
     # -- what a pass uses (`batching/work.py`: `PassSession`): the new gradients kept apart
     # until they are known to be finite; the RNG stream is `cpu_rng` -------------------------
 
+    # With masters, a 16-bit weight's gradient is an fp32 sum the optimizer holds in place of
+    # `.grad` (`optim.wide_grads`, docs/semantics.md §7): stashed, widened after each
+    # micro-batch's backward, checked, kept and restored alike. A stashed tensor of another
+    # dtype than its weight's is such a sum.
+
     def stash_grads(self) -> GradStash:
+        wide = optim.wide_grads(self.optimizer) or {}
         stash = {}
         for name, param in self.policy.trainable.items():
-            stash[name] = param.grad
+            stash[name] = wide.pop(param) if param in wide else param.grad
             param.grad = None
         return stash
 
+    def widen_grads(self) -> None:
+        optim.accumulate_(self.optimizer, self.policy.trainable.values())
+
     def check_new_grads(self) -> None:
-        optim.check_finite_grads(list(self.policy.trainable.values()), self.comm)
+        params = list(self.policy.trainable.values())
+        optim.check_finite_grads(optim.step_grads(self.optimizer, params), self.comm)
 
     def restore_grads(self, stash: GradStash) -> None:
+        wide = optim.wide_grads(self.optimizer)
         for name, param in self.policy.trainable.items():
-            param.grad = stash[name]
+            old, param.grad = stash[name], None
+            if wide is not None:
+                wide.pop(param, None)
+            if old is not None and old.dtype != param.dtype:
+                assert wide is not None
+                wide[param] = old
+            else:
+                param.grad = old
 
     def keep_grads(self, stash: GradStash, prepared: Sequence[PreparedSample] = ()) -> None:
+        # what the last backward left in `.grad`, if anything
+        optim.accumulate_(self.optimizer, self.policy.trainable.values())
+        wide = optim.wide_grads(self.optimizer)
         for name, param in self.policy.trainable.items():
             old = stash[name]
             if old is None:
                 continue
-            param.grad = old if param.grad is None else old.add_(param.grad)
-        # with masters, 16-bit weights' gradients add up in fp32 (docs/semantics.md §7)
-        optim.accumulate_(self.optimizer, self.policy.trainable.values())
+            if old.dtype != param.dtype:
+                assert wide is not None
+                new = wide.get(param)
+                wide[param] = old if new is None else old.add_(new)
+            else:
+                param.grad = old if param.grad is None else old.add_(param.grad)
         for sample in prepared:  # every call's samples (every rank counts them all)
             tokens = int((sample.mask_T != 0).sum())
             self.accumulated_tokens += tokens

@@ -88,6 +88,8 @@ def _rounds(live: list[WorkItem], forward: Forward, comm: Communicator) -> None:
             _losses(live, logprobs, entropies)
             if not forward_only:
                 _backward(live, link)
+                for item in live:
+                    item.session.widen_grads()
 
 
 def _losses(

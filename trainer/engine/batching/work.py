@@ -81,8 +81,10 @@ class PassSession(SharingSession, Protocol):
     call runs in it. `cpu_rng` is that CPU stream between operations: a shared pass draws the
     session's LoRA dropout masks from it and moves it on only when the call completes.
     Gradients: `stash_grads` sets the accumulated ones aside (the call's start from None),
-    `check_new_grads` raises NON_FINITE_LOSS unless the new ones are finite on every rank,
-    `keep_grads` adds the new ones to the stash, `restore_grads` drops them for the stash."""
+    `widen_grads` follows each backward (16-bit weights' gradients into fp32 sums, where the
+    session keeps them), `check_new_grads` raises NON_FINITE_LOSS unless the new ones are
+    finite on every rank, `keep_grads` adds the new ones to the stash, `restore_grads` drops
+    them for the stash."""
 
     cpu_rng: torch.Tensor
 
@@ -95,6 +97,8 @@ class PassSession(SharingSession, Protocol):
     def operation_scope(self) -> contextlib.AbstractContextManager[object]: ...
 
     def stash_grads(self) -> GradStash: ...
+
+    def widen_grads(self) -> None: ...
 
     def check_new_grads(self) -> None: ...
 
