@@ -1,4 +1,6 @@
-"""An AdamW step on bf16 full weights, with fp32 masters (the default) ÷ without.
+"""An AdamW step on bf16 full weights, with fp32 masters (the default) ÷ without; and what
+widening one backward's bf16 gradients into the fp32 sums costs (`optim.accumulate_`, after
+every micro-batch with masters).
 
     python scripts/bench_masters.py --layers 28 --device cuda
     python scripts/bench_masters.py --layers 4 --device cpu --steps 3
@@ -6,8 +8,8 @@
 The tensors have Qwen3-0.6B's names and shapes (`bench_muon.shapes`, full weights), in bf16,
 with random bf16 gradients; no model is built (a step's cost depends only on those tensors).
 Both arms run the engine's own step (`optim.adamw_step`, global clip included), alternating,
-and the median of `--steps` timed steps after `--warmup` is reported, with the bytes each
-arm's optimizer state holds.
+the masters' arm on gradients widened first (timed apart), and the median of `--steps` timed
+steps after `--warmup` is reported, with the bytes each arm's optimizer state holds.
 """
 
 from __future__ import annotations
@@ -62,12 +64,19 @@ def main() -> int:
         "masters": optim.new_adamw(arms["masters"], masters=True),
     }
     adam = AdamParams(learning_rate=1e-5)
-    times: dict[str, list[float]] = {arm: [] for arm in arms}
+    times: dict[str, list[float]] = {arm: [] for arm in [*arms, "widen"]}
     for step in range(args.warmup + args.steps):
         for arm, params in arms.items():
             gen = torch.Generator(device=args.device).manual_seed(step)
             for p in params:
                 p.grad = torch.randn(p.shape, device=p.device, generator=gen).to(torch.bfloat16)
+            if arm == "masters":  # as the pass does after a backward
+                _sync(args.device)
+                start = time.perf_counter()
+                optim.accumulate_(opts[arm], params)
+                _sync(args.device)
+                if step >= args.warmup:
+                    times["widen"].append(time.perf_counter() - start)
             _sync(args.device)
             start = time.perf_counter()
             optim.adamw_step(opts[arm], params, adam, Solo())
@@ -83,6 +92,7 @@ def main() -> int:
         "plain_ms": plain * 1e3,
         "masters_ms": masters * 1e3,
         "ratio": masters / plain,
+        "widen_ms": statistics.median(times["widen"]) * 1e3,
         "plain_state_gib": _state_bytes(opts["plain"]) / 2**30,
         "masters_state_gib": _state_bytes(opts["masters"]) / 2**30,
     }
@@ -97,7 +107,8 @@ def row(f: dict) -> str:
     return (
         f"| full bf16, {f['layers']} layers | {f['numel'] / 1e6:.1f} M | {f['device']} "
         f"| {f['plain_ms']:.1f} ms | {f['masters_ms']:.1f} ms | **{f['ratio']:.2f}×** "
-        f"| {f['plain_state_gib']:.2f} GiB | {f['masters_state_gib']:.2f} GiB |"
+        f"| {f['widen_ms']:.1f} ms | {f['plain_state_gib']:.2f} GiB "
+        f"| {f['masters_state_gib']:.2f} GiB |"
     )
 
 

@@ -85,10 +85,12 @@ def _masters(f: dict[str, Any]) -> list[str]:
     return [
         "`masters`: AdamW step on bf16 full weights, fp32 masters ÷ none",
         "",
-        "| weights | numel | device | bf16 AdamW | + fp32 masters | ratio | state | with masters |",
-        "|---|---|---|---|---|---|---|---|",
+        "| weights | numel | device | bf16 AdamW | + fp32 masters | ratio | widen a backward "
+        "| state | with masters |",
+        "|---|---|---|---|---|---|---|---|---|",
         f"| full bf16, {f['layers']} layers | {f['numel'] / 1e6:.1f} M | {f['device']} | "
         f"{f['plain_ms']:.1f} ms | {f['masters_ms']:.1f} ms | {f['ratio']:.2f}x | "
+        f"{f.get('widen_ms', float('nan')):.1f} ms | "
         f"{f['plain_state_gib']:.2f} GiB | {f['masters_state_gib']:.2f} GiB |",
     ]
 

@@ -66,7 +66,7 @@ def test_rehearsal_runs_every_step(tmp_path: Path) -> None:
 
     masters = steps["masters"]["figures"]  # 12 bytes of state a weight against 4
     assert masters["masters_state_gib"] == pytest.approx(3 * masters["plain_state_gib"])
-    assert masters["plain_ms"] > 0 and masters["ratio"] > 0
+    assert masters["plain_ms"] > 0 and masters["ratio"] > 0 and masters["widen_ms"] > 0
 
     grpo = steps["grpo"]["figures"]
     assert [s["version"] for s in grpo["steps"]] == [1, 2]
