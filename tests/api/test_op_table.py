@@ -26,6 +26,7 @@ from test_http import CE, TERMINAL, new_resource, new_session, output
 from tests.engine.helpers import make_resource, model_input, random_batch
 from trainer.api.rl import routes_ops
 from trainer.checkpoint.store import CheckpointRecord
+from trainer.contract.embeddings import EmbeddingObjective
 from trainer.contract.specs import (
     AdamParams,
     Gradient,
@@ -64,8 +65,11 @@ SCORE = Operation(
 def test_every_entry_has_its_routes(server: LiveServer) -> None:
     paths = server.app.openapi()["paths"]
     kinds = {p[len(OPS) + 1 :].split("/")[0] for p in paths if p.startswith(OPS + "/")}
-    assert kinds == set(OPERATIONS)
+    assert kinds == {kind for kind, op in OPERATIONS.items() if op.rl_face}
+    assert "embedding-forward-backward" not in kinds  # the Tinker face's only (semantics §27)
     for kind, op in OPERATIONS.items():
+        if not op.rl_face:
+            continue
         post = paths[f"{OPS}/{kind}"]["post"]
         assert set(paths[f"{OPS}/{kind}/{{operation_id}}"]) == {"get"}
         assert post["operationId"].startswith(f"create_{kind.replace('-', '_')}")
@@ -147,6 +151,11 @@ def _drive(session: Any) -> dict[str, Any]:
     out = {
         "forward_backward": session.forward_backward(CE_LOSS, batch),
         "custom_forward_backward": session.custom_forward_backward(batch, gradients=gradients),
+        "embedding_forward_backward": session.embedding_forward_backward(
+            [Sample(model_input=s.model_input) for s in batch],
+            EmbeddingObjective(output="cos_similarity_matrix", pooling="last"),
+            gradients=[Gradient(data=[0.5, -0.5, 0.25])] * 3,
+        ),
         "optim_step": session.optim_step(AdamParams(learning_rate=1e-2)),
         "weights_sync": session.weights_sync("WEIGHT_SYNC_TYPE_SYNCHRONOUS"),
         "sample": session.sample(

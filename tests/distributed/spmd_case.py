@@ -30,8 +30,9 @@ from tests.distributed.scenario import (
 )
 from tests.engine.helpers import random_batch
 from trainer.checkpoint.store import CheckpointStore
+from trainer.contract.embeddings import EmbeddingObjective
 from trainer.contract.errors import OperationError
-from trainer.contract.specs import LossConfig
+from trainer.contract.specs import LossConfig, Sample
 from trainer.distributed.comm import init_distributed
 from trainer.distributed.spmd import DistributedResource, Spmd, run_worker
 
@@ -58,6 +59,12 @@ def _refused(resource: DistributedResource, kind: str) -> dict[str, Any]:
         refused: dict[str, Any] = {"code": None}
     except OperationError as exc:
         refused = {"code": exc.code, "message": exc.message}
+    try:  # embedding calls are refused sharded (docs/semantics.md §27), on every rank alike
+        texts = [Sample(model_input=s.model_input) for s in bad[:2]]
+        session.embedding_forward_backward(texts, EmbeddingObjective(output="embedding"), True)
+        refused["embedding"] = None
+    except OperationError as exc:
+        refused["embedding"] = exc.message
     refused["then"] = session.forward_backward(
         LossConfig(type="LOSS_TYPE_CROSS_ENTROPY"), bad[:2], forward_only=True
     )["loss"]

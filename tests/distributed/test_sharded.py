@@ -151,6 +151,7 @@ def test_bad_input_fails_on_every_rank_and_the_group_stays_usable(runs: Runs, ki
     assert refused["message"].startswith(
         "samples[2].model_input.chunks[0].encoded_text.tokens[1]: token id 10000"
     )
+    assert "not served on a sharded (torchrun) resource" in refused["embedding"]
     assert refused["then"] > 0  # the next call on the same group ran
 
 

@@ -24,10 +24,12 @@ from trainer.compute.moe_replay import routing_shape
 from trainer.compute.muon import MuonWithAdamW, muon_step, new_muon
 from trainer.compute.policy import Policy, cuda_devices
 from trainer.compute.sampler import SampleWatch  # at run time: spmd reads the signature
+from trainer.contract.embeddings import EmbeddingObjective
 from trainer.contract.errors import OperationError, invalid
 from trainer.contract.muon_params import MuonParams
 from trainer.contract.optimizer import optimizer_kind
 from trainer.contract.options import EngineOptions
+from trainer.contract.rules import Limits
 from trainer.contract.specs import (
     AdamParams,
     Gradient,
@@ -40,6 +42,7 @@ from trainer.contract.specs import (
     chunk_datums,
 )
 from trainer.engine.backends import generator_for
+from trainer.engine.batching.embed_pass import embedding_call
 from trainer.engine.batching.work import WorkItem
 from trainer.engine.generator import Generator, Undo, Versions, sync_weights
 from trainer.engine.grad_keeping import GradKeeping
@@ -58,6 +61,7 @@ class TrainingSession(GradKeeping):
     OPERATIONS: ClassVar[tuple[str, ...]] = (
         "forward_backward",
         "custom_forward_backward",
+        "embedding_forward_backward",
         "optim_step",
         "weights_sync",
         "sample",
@@ -209,6 +213,18 @@ class TrainingSession(GradKeeping):
     ) -> dict[str, Any]:
         """Backpropagate Σ_t m_t · g_t · lp_t with the client's per-token gradients g."""
         return self._run(self._custom_forward_backward_item(samples, gradients))
+
+    def embedding_forward_backward(
+        self,
+        samples: list[Sample],
+        objective: EmbeddingObjective,
+        forward_only: bool = False,
+        gradients: list[Gradient] | None = None,
+    ) -> dict[str, Any]:
+        """docs/semantics.md §27: pooled hidden states, a forward's outputs or a backward."""
+        entry, vocab = self.resource.entry, self.resource.vocab_size
+        limits = Limits(entry.max_seq_length, chunk_datums(entry.max_batch_size), None, vocab)
+        return embedding_call(self, limits, samples, objective, forward_only, gradients)
 
     def _forward_backward_item(
         self,

@@ -27,12 +27,14 @@ from trainer.serving.checkpoint_errors import save_checkpoint
 from trainer.serving.errors import bad_request, from_pydantic
 from trainer.serving.requests import (
     CustomForwardBackwardBody,
+    EmbeddingForwardBackwardBody,
     EmptyBody,
     ForwardBackwardBody,
     OptimStepBody,
     SampleBody,
     WeightsSyncBody,
     check_custom,
+    check_embedding,
     check_forward_backward,
     check_optimizer_params,
     check_sample,
@@ -79,6 +81,7 @@ class Operation:
     check_optimizer: Callable[[Any, dict[str, Any]], None] | None = None
     # validated body -> the tokens it trains on (`trainer_tokens_trained_total`)
     trained_tokens: Callable[[Any], int] = _no_tokens
+    rl_face: bool = True  # the RL session API has a route for it (else: another face's only)
 
     def call(self, body: BaseModel, extra: dict[str, Any] | None = None) -> CountedCall:
         """What the worker queues: the engine session in, the operation's wire JSON out.
@@ -116,6 +119,20 @@ OPERATIONS: dict[str, Operation] = {
             wire=_or_empty,
             check=check_custom,
             trained_tokens=lambda b: _sample_tokens(b.samples),
+        ),
+        Operation(
+            "embedding-forward-backward",
+            EmbeddingForwardBackwardBody,
+            "embedding_forward_backward",
+            lambda b: {
+                "samples": b.samples,
+                "objective": b.objective,
+                "forward_only": b.forward_only,
+                "gradients": b.gradients,
+            },
+            check=check_embedding,
+            trained_tokens=_fb_tokens,
+            rl_face=False,
         ),
         Operation(
             "optim-step",
@@ -287,7 +304,8 @@ def prepare_call(
     if entry is None:
         raise bad_request("the session's base model is no longer served", "session_id")
     config = resource.spec.get("optimizer_config") if resource is not None else None
-    if not rl_face and spec.kind == "forward-backward":  # the Tinker face's chunks
+    # the Tinker face's chunks
+    if not rl_face and spec.kind in ("forward-backward", "embedding-forward-backward"):
         entry = entry.model_copy(update={"max_batch_size": chunk_datums(entry.max_batch_size)})
     vocab, tokenizer = vocab_size_of(worker, entry.name), has_tokenizer(worker, entry.name)
     return validated_call(spec, body, entry, config, vocab, extra, tokenizer)

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from trainer.contract.base import Spec
+from trainer.contract.embeddings import EmbeddingObjective, check_embedding_call
 from trainer.contract.errors import InputError
 from trainer.contract.losses import LossConfig
 from trainer.contract.optimizer import AdamParams, MuonParams, optimizer_kind
@@ -100,6 +101,16 @@ class CustomForwardBackwardBody(Spec):
         for i, (sample, gradient) in enumerate(zip(self.samples, self.gradients, strict=True)):
             check_gradient(i, gradient, len(token_values(sample.model_input)))
         return self
+
+
+class EmbeddingForwardBackwardBody(Spec):
+    """An embedding call (docs/semantics.md §27): the Tinker face builds it, the RL face has no
+    route for it."""
+
+    samples: list[Sample] = Field(min_length=1, fail_fast=True)
+    objective: EmbeddingObjective
+    forward_only: bool = False
+    gradients: list[Gradient] | None = Field(default=None, fail_fast=True)
 
 
 class OptimStepBody(Spec):
@@ -193,6 +204,19 @@ def check_custom(
     needs = Needs(by="custom-forward-backward")
     with _as_400():
         check_samples(body.samples, Limits.of(entry, vocab_size), needs)
+
+
+def check_embedding(
+    body: EmbeddingForwardBackwardBody, entry: ModelEntry, vocab_size: int | None = None
+) -> None:
+    with _as_400():
+        check_embedding_call(
+            body.samples,
+            body.objective,
+            body.forward_only,
+            body.gradients,
+            Limits.of(entry, vocab_size),
+        )
 
 
 def check_sample(body: SampleBody, entry: ModelEntry, vocab_size: int | None = None) -> None:

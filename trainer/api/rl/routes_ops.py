@@ -117,4 +117,5 @@ def add_routes(router: APIRouter, spec: Operation) -> None:
 
 
 for _spec in OPERATIONS.values():
-    add_routes(router, _spec)
+    if _spec.rl_face:
+        add_routes(router, _spec)
