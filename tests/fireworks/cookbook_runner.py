@@ -1,5 +1,6 @@
 """Run one phase of the Fireworks training cookbook's `sft_loop`, `dpo_loop`, `orpo_loop`,
-`rl_loop` or `distillation_loop`, unchanged, against the worker at `FIREWORKS_BASE_URL`.
+`rl_loop`, `distillation_loop` or `embedding_loop`, unchanged, against the worker at
+`FIREWORKS_BASE_URL`.
 
 Executed by the cookbook venv's python (`tests/fireworks/cookbook_venv.py`) with the exported
 cookbook tree on `sys.path` (it imports as `training`). Nothing of the cookbook is replaced: the
@@ -12,11 +13,12 @@ Usage: python cookbook_runner.py SPEC_JSON
 
 SPEC_JSON keys:
 - cookbook: the directory holding `training/`;
-- recipe: `sft`, `dpo`, `orpo` (on the DPO pairs), `distill` (a teacher deployment scoring the
-  GRPO rows' samples) or `rl` (GRPO: a deployment hot-loaded after every step, sampled
-  through the completions route; its rows ask a question whose `ground_truth` is one of the
-  tokenizer's `<answer>N</answer>` tokens, so a near-uniform tiny model earns a reward now and
-  then and its groups get non-zero advantages);
+- recipe: `sft`, `dpo`, `orpo` (on the DPO pairs), `embed` (`embedding_loop`, in the mode
+  `output_mode` names), `distill` (a teacher deployment scoring the GRPO rows' samples) or
+  `rl` (GRPO: a deployment hot-loaded after every step, sampled through the completions
+  route; its rows ask a question whose `ground_truth` is one of the tokenizer's
+  `<answer>N</answer>` tokens, so a near-uniform tiny model earns a reward now and then and
+  its groups get non-zero advantages);
 - workdir: the run's directory; `log_path` is `workdir/logs` in every phase, so a resumed phase
   finds the first one's `dataloader.json`;
 - tokenizer, base_model, lora_rank, learning_rate, epochs, max_seq_len, and
@@ -174,6 +176,9 @@ def build_config(spec: dict[str, Any], workdir: Path) -> Any:
     if spec["recipe"] == "distill":
         return distill_config(spec, workdir, common)
 
+    if spec["recipe"] == "embed":
+        return embed_config(spec, workdir, common)
+
     if spec["recipe"] == "orpo":
         from training.recipes import orpo_loop as recipe  # type: ignore[no-redef]
 
@@ -253,6 +258,36 @@ def distill_config(spec: dict[str, Any], workdir: Path, common: dict[str, Any]) 
         max_seq_len=spec["max_seq_len"],
         lora_rank=spec["lora_rank"],
         deployment=DeployConfig(deployment_shape=shape, tokenizer_model=spec["tokenizer"]),
+        runner=common["runner"],
+    )
+
+
+def embed_config(spec: dict[str, Any], workdir: Path, common: dict[str, Any]) -> Any:
+    """`embedding_loop.Config` with its defaults but what a local run must say: the
+    (query, positive) pairs (4: one batch, so each epoch's step sees the same pairs), the
+    tokenizer directory, the output mode, the learning rate and epochs, and the metrics
+    ledger."""
+    from training.recipes import embedding_loop as recipe
+
+    pairs = [  # words of the served tokenizer
+        {"query": "what is two plus three ?", "positive": "the answer is five ."},
+        {"query": "hello world ?", "positive": "hello , world ."},
+        {"query": "what sat on the mat ?", "positive": "the cat sat on a mat ."},
+        {"query": "what is 1 plus 2 ?", "positive": "the answer is 3 ."},
+    ]
+    return recipe, recipe.Config(
+        log_path=common["log_path"],
+        base_model=spec["base_model"],
+        dataset=write_jsonl(workdir / "pairs.jsonl", pairs),
+        tokenizer_model=spec["tokenizer"],
+        output_mode=spec["output_mode"],
+        temperature=0.05,
+        learning_rate=spec["learning_rate"],
+        epochs=spec["epochs"],
+        batch_size=4,
+        max_query_len=32,
+        max_doc_len=32,
+        lora_rank=spec["lora_rank"],
         runner=common["runner"],
     )
 

@@ -83,6 +83,10 @@ DISK_FULL = "the worker's disk is full; send the request again once space is fre
 # The engine's body fields that a Tinker request names otherwise, per operation
 _TINKER_NAMES = {
     "forward-backward": (("samples", "forward_backward_input.data"),),
+    "embedding-forward-backward": (
+        ("samples", "forward_backward_input.data"),
+        ("objective", "forward_backward_input.loss_fn_config"),
+    ),
     "sample": (("model_inputs[0]", "prompt"),),
 }
 
@@ -94,6 +98,12 @@ def tinker_names(kind: str, text: str) -> str:
     if kind == "forward-backward":  # a datum's R3 routes sit on its model input
         text = re.sub(
             r"(samples\[\d+\])\.routing_matrices", r"\1.model_input.routing_matrices", text
+        )
+    if kind == "embedding-forward-backward":  # a datum's gradient is one of its inputs
+        text = re.sub(
+            r"(?<![\w.\]])gradients\[(\d+)\]",
+            r"samples[\1].loss_fn_inputs.embedding_grads",
+            text,
         )
     for ours, theirs in _TINKER_NAMES.get(kind, ()):
         text = re.sub(rf"(?<![\w.\]]){re.escape(ours)}(?=[\[.:]|$)", theirs, text)

@@ -22,6 +22,7 @@ from trainer.api.tinker import convert, names, paths, proto, stability
 from trainer.api.tinker.binding import binding_of
 from trainer.api.tinker.bridge import RequestFailed, TinkerBridge
 from trainer.api.tinker.convert import FBI
+from trainer.api.tinker.convert_embeddings import embedding_body, embedding_output, is_embedding
 from trainer.api.tinker.identity import RequestKey, request_key
 from trainer.api.tinker.models import check_trainable
 from trainer.api.tinker.records import TinkerCheckpoint, TinkerModel
@@ -119,6 +120,8 @@ async def submit_forward_backward(
     if not isinstance(fbi, dict):
         raise bad_request(f"{field}: required (an object)", field)
     vocab = vocab_size_of(bridge.worker, model.base_model)
+    if is_embedding(fbi):
+        return await _submit_embedding(request, model, req, field, forward_only, vocab, as_proto)
     try:
         body, provenance = await run_in_threadpool(
             convert.forward_backward_request, fbi, forward_only, vocab
@@ -154,6 +157,45 @@ async def submit_forward_backward(
         return storable_fb(convert.forward_backward_output(result, loss_fn))
 
     return future_json(bridge.start(model_id, kind, key, work, who), model_id)
+
+
+async def _submit_embedding(
+    request: Request,
+    model: TinkerModel,
+    req: dict[str, Any],
+    field: str,
+    forward_only: Any,
+    vocab: int | None,
+    as_proto: bool,
+) -> dict[str, Any]:
+    """`submit_forward_backward` for an embedding output (`convert_embeddings`)."""
+    bridge = bridge_of(request)
+    fbi = req[field]
+    try:
+        body = await run_in_threadpool(embedding_body, fbi, forward_only, vocab)
+    except convert.TinkerInputError as exc:
+        raise _renamed(input_error(exc), field) from None
+    if not body["forward_only"]:
+        check_trainable(model, "forward_backward")
+    kind = "embedding-forward-backward"
+    try:
+        call = await run_in_threadpool(bridge.prepare, model.session_id, kind, body)
+    except ApiError as exc:
+        raise _renamed(exc, field) from None
+    count = len(body["samples"])
+    wire_kind = "Forward" if body["forward_only"] else "ForwardBackward"
+    asked = {"loss_fn": "embedding", "body": body}
+    seq_id = seq_id_of(req)
+    if as_proto and seq_id == 0:  # as `submit_forward_backward`
+        seq_id = None
+    key = await run_in_threadpool(request_key, request, model.id, wire_kind, seq_id, asked)
+
+    def work(request_id: str) -> dict[str, Any]:
+        return storable_fb(embedding_output(bridge.run(model, kind, call, request_id), count))
+
+    return future_json(
+        bridge.start(model.id, wire_kind, key, work, principal_of(request)), model.id
+    )
 
 
 @router.post("/optim_step")
