@@ -1,6 +1,7 @@
 """The Fireworks SDK's embedding calls (`forward_backward_custom(output=...)`,
 `forward_backward_contrastive`; docs/semantics.md §27), run in its own venv on both SDK lines,
-against plain transformers: each sequence alone through the model's decoder, pooled."""
+against plain transformers: each sequence alone through the model's decoder, pooled. And its
+`lora_init_method` (§23)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.api.conftest import LiveServer
 from tests.fireworks.conftest import LLAMA, QWEN, SCRIPTS, run_fw
+from tests.tinker import tinker_http as th
 
 pytestmark = pytest.mark.fireworks
 
@@ -57,3 +59,23 @@ def test_sdk_embedding_calls_match_transformers(
     assert 0 <= out["contrastive"]["in_batch_recall_at_1:mean"] <= 1
     if "projection" in out:
         assert "projection head" in out["projection"], out["projection"]
+
+
+def test_sdk_lora_init_method_nora(
+    fw_python: Path, fw_server: LiveServer, fw_models: dict[str, Path]
+) -> None:
+    """`create_training_client(lora_init_method="nora")` (1.2.30; 1.2.9 has no such argument):
+    the adapter's every A has unit columns over the rank; `kaiming`'s has not
+    (docs/semantics.md §23)."""
+    out = run_fw(fw_python, fw_server, [str(SCRIPTS / "dp_nora.py"), QWEN])
+    if out.get("unsupported"):
+        assert "1.2.9" in str(fw_python), fw_python
+        return
+    for method, unit in (("nora", True), ("kaiming", False)):
+        session = th.engine_session(fw_server, out[method])
+        norms = [
+            torch.linalg.vector_norm(p.detach(), dim=0)
+            for name, p in session.policy.trainable.items()
+            if ".lora_A." in name
+        ]
+        assert norms and all(torch.allclose(n, torch.ones_like(n)) for n in norms) is unit

@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from tests.api.conftest import LiveServer, serve_in_thread
 from tests.faults.procs import new_resource, new_session
@@ -153,3 +154,46 @@ def test_vllm_replicas_take_the_models_rank(
     options = GeneratorOptions(backend="vllm", max_lora_rank=generator_rank)
     config = replica_config(entry, options, lora=True, tokenizer=False, device=torch.device("cpu"))
     assert config["max_lora_rank"] == replica_rank
+
+
+def _unit_columns(session: Any) -> bool:
+    """Whether every lora_A (`[rank, in]`) has unit L2 norm over the rank in each column."""
+    columns = [
+        torch.linalg.vector_norm(p.detach(), dim=0)
+        for name, p in session.policy.trainable.items()
+        if ".lora_A." in name
+    ]
+    return bool(columns) and all(torch.allclose(c, torch.ones_like(c)) for c in columns)
+
+
+def test_nora_init_on_both_faces(tiny_qwen_dir: Path, tmp_path: Path) -> None:
+    """`lora_config.init_method` `nora` (the Fireworks SDK's `lora_init_method`) on the Tinker
+    face and the RL face; `kaiming`'s columns are not unit; another method is a 400 naming the
+    field; the RL face's `lora_config` echo leaves the default out (docs/semantics.md §23)."""
+    entry = {"name": th.BASE, "location": str(tiny_qwen_dir)}
+    with serve_in_thread(tmp_path, {}, model=[entry]) as live:
+        with th.client(live) as http:
+            for method, unit in (("nora", True), ("kaiming", False)):
+                body = {
+                    "session_id": th.new_session(http),
+                    "model_seq_id": 0,
+                    "base_model": th.BASE,
+                    "lora_config": {"rank": 4, "seed": 0, "init_method": method},
+                }
+                model_id = th.ok(http, "/create_model", body)["model_id"]
+                assert _unit_columns(th.engine_session(live, model_id)) is unit, method
+            body["lora_config"] = {"rank": 4, "init_method": "pissa"}
+            refused = http.post("/create_model", json=body)
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["param"] == "lora_config.init_method"
+        with live.client() as http:
+            rid = new_resource(http, th.BASE)
+            sid = new_session(http, rid, lora_config={"rank": 4, "init_method": "nora"})
+            assert _unit_columns(live.worker.sessions[sid].engine)
+            echo = http.get(f"/rl/training-sessions/{sid}").json()["lora_config"]
+            assert echo["init_method"] == "nora"
+            plain = new_session(http, rid, lora_config={"rank": 4})
+            assert (
+                "init_method"
+                not in http.get(f"/rl/training-sessions/{plain}").json()["lora_config"]
+            )

@@ -350,6 +350,12 @@ def peft_lora_config(model: Any, config: LoraConfig) -> Any:
             "LoRA dropout is not supported on mixture-of-experts models "
             "(the expert weights are adapted as parameters); use 0",
         )
+    if experts and config.init_method == "nora":
+        raise invalid(
+            "lora_config.init_method",
+            "nora is not served on mixture-of-experts models (the expert weights are adapted "
+            "as parameters); use kaiming",
+        )
     extra: dict[str, Any] = {"target_parameters": experts} if experts else {}
     return PeftLoraConfig(
         r=config.rank,

@@ -231,6 +231,8 @@ class LoraPolicy(Policy):
         with quiet_peft_warnings(), torch.random.fork_rng(devices=cuda_devices(device)):
             torch.manual_seed(seed)
             self._peft = shared.add(resource_model, peft_config, name)
+            if config.init_method == "nora":
+                nora_(self._peft, name)
             if with_generator:
                 self._peft.add_adapter(self.pub_name, peft_config)
         self.with_generator = with_generator
@@ -376,6 +378,17 @@ class LoraPolicy(Policy):
                 if f".{adapter}." in n:
                     p.zero_()
                     p.requires_grad_(False)
+
+
+def nora_(peft: nn.Module, adapter: str) -> None:
+    """NoRA init (docs/semantics.md §23): each input column of the adapter's every A (`[rank,
+    in]`: the column's weights over the rank) scaled to unit L2 norm, in place."""
+    with torch.no_grad():
+        for module in peft.modules():
+            lora_a = getattr(module, "lora_A", None)
+            if isinstance(lora_a, nn.ModuleDict) and adapter in lora_a:
+                weight = cast(torch.Tensor, lora_a[adapter].weight)
+                weight.div_(weight.norm(dim=0, keepdim=True).clamp_min(1e-12))
 
 
 class FullPolicy(Policy):

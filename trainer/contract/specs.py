@@ -187,6 +187,11 @@ class LoraConfig(Spec):
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     seed: Seed | None = None
     train_unembed: bool = True
+    # PEFT's Kaiming-uniform A (zero B), or NoRA: that A with each input column scaled to unit
+    # L2 norm over the rank (docs/semantics.md §23); left out of dumps when it is the default
+    init_method: Literal["kaiming", "nora"] = Field(
+        default="kaiming", exclude_if=lambda method: method == "kaiming"
+    )
 
 
 # Why a sampled sequence ended: EOS or a stop (STOP), `max_tokens` (LENGTH), or its caller's

@@ -94,12 +94,14 @@ def plan(body: CreateModel, entry: ModelEntry, binding: Binding | None) -> Model
             param="lora_config.rank",
             code="invalid_input",
         )
-    config = {
+    config: dict[str, Any] = {
         "rank": rank,
         "alpha": lora.alpha if lora is not None and lora.alpha is not None else LORA_ALPHA,
         "seed": lora.seed if lora is not None else None,
         "train_unembed": lora.train_unembed if lora is not None else True,
     }
+    if lora is not None and lora.init_method is not None:
+        config["init_method"] = lora.init_method
     return ModelPlan("lora", entry.name, config, frozen, binding)
 
 

@@ -34,7 +34,8 @@ class SessionRef(Spec):
 class TinkerLoraConfig(Spec):
     rank: int = Field(ge=0)  # 0: full weights (the Fireworks SDK's `lora_rank=0`)
     alpha: int | None = Field(default=None, ge=1)  # None: Tinker's 32 (`routes.LORA_ALPHA`)
-    init_method: Literal["kaiming"] | None = None  # PEFT's: Kaiming-uniform A, zero B
+    # PEFT's Kaiming-uniform A, zero B; or NoRA (docs/semantics.md §23)
+    init_method: Literal["kaiming", "nora"] | None = None
     seed: int | None = None
     train_unembed: bool = True
     train_mlp: bool = True
