@@ -22,6 +22,7 @@ class ResourceHandle(SharingResource, Protocol):
     spec: ResourceSpec
     tokenizer: Any  # the model's transformers tokenizer (None: the model has none)
     vocab_size: int
+    hidden_size: int  # the width of the decoder's last hidden state
     eos_ids: set[int]
     has_generator: bool
     replicas: ReplicaPool | None  # the vLLM replicas serving its samples, if it runs some

@@ -90,6 +90,7 @@ class ModelResource:
             self._use_base_weights(spec.base_weights_ref)
         head = self.model.get_output_embeddings()
         self.vocab_size = int(head.weight.shape[0])
+        self.hidden_size = int(head.weight.shape[1])  # the decoder's output: an embedding's
         # whether its samples record MoE routes and its training replays them (semantics §12)
         self.router_replay = routing_shape(self.model) is not None
         eos = getattr(self.model.generation_config, "eos_token_id", None)

@@ -224,7 +224,8 @@ class TrainingSession(GradKeeping):
         """docs/semantics.md §27: pooled hidden states, a forward's outputs or a backward."""
         entry, vocab = self.resource.entry, self.resource.vocab_size
         limits = Limits(entry.max_seq_length, chunk_datums(entry.max_batch_size), None, vocab)
-        return embedding_call(self, limits, samples, objective, forward_only, gradients)
+        call = (samples, objective, forward_only, gradients)
+        return embedding_call(self, limits, self.resource.hidden_size, *call)
 
     def _forward_backward_item(
         self,

@@ -181,10 +181,20 @@ assert set(METHODS) == set(TrainingSession.OPERATIONS), "the table must cover th
 def vocab_size_of(worker: Worker, base_model: str) -> int | None:
     """The vocabulary of `base_model` where a loaded resource serves it; None while none has
     loaded (the engine then checks the ids)."""
+    return _size_of(worker, base_model, "vocab_size")
+
+
+def hidden_size_of(worker: Worker, base_model: str) -> int | None:
+    """The width of `base_model`'s last hidden state (an embedding's length), where a loaded
+    resource serves it; None while none has loaded (the engine then checks it)."""
+    return _size_of(worker, base_model, "hidden_size")
+
+
+def _size_of(worker: Worker, base_model: str, name: str) -> int | None:
     with worker.resources.lock:
         lives = list(worker.resources.live.values())
     for live in lives:
-        size = getattr(live.engine, "vocab_size", None)
+        size = getattr(live.engine, name, None)
         if live.entry.name == base_model and isinstance(size, int):
             return size
     return None

@@ -35,9 +35,12 @@ def is_embedding(fbi: Any) -> bool:
     return isinstance(config, Mapping) and config.get("output") is not None
 
 
-def embedding_body(fbi: Mapping[str, Any], forward_only: Any, vocab: int | None) -> dict[str, Any]:
+def embedding_body(
+    fbi: Mapping[str, Any], forward_only: Any, vocab: int | None, hidden: int | None = None
+) -> dict[str, Any]:
     """Our `embedding-forward-backward` body (module docstring); a `TinkerInputError` names
-    the request's field."""
+    the request's field. `vocab`, `hidden`: the model's vocabulary and hidden state width,
+    where known (the engine checks them again)."""
     forward_only = flag(forward_only, "forward_only")
     if fbi.get("loss_fn") != "cross_entropy":
         raise TinkerInputError(
@@ -71,7 +74,13 @@ def embedding_body(fbi: Mapping[str, Any], forward_only: Any, vocab: int | None)
         if takes:
             if GRADS not in inputs:
                 raise TinkerInputError(f"{where}.loss_fn_inputs.{GRADS}", "is required")
-            values = tensor_values(inputs[GRADS], f"{where}.loss_fn_inputs.{GRADS}")
+            field = f"{where}.loss_fn_inputs.{GRADS}"
+            values = tensor_values(inputs[GRADS], field)
+            if objective["output"] == "embedding" and hidden is not None and values.size != hidden:
+                raise TinkerInputError(
+                    f"{field}.data",
+                    f"has {values.size} values for an embedding of hidden size {hidden}",
+                )
             gradients.append({"data": values})
     body: dict[str, Any] = {
         "samples": samples,

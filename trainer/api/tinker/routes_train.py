@@ -44,7 +44,7 @@ from trainer.api.tinker.routes import (
 from trainer.api.tinker.sampling import SamplerSessions, new_sampler, samplers_of
 from trainer.checkpoint.export import AdapterExport
 from trainer.serving.errors import ApiError, bad_request
-from trainer.serving.operations import vocab_size_of
+from trainer.serving.operations import hidden_size_of, vocab_size_of
 
 router = APIRouter()
 
@@ -172,7 +172,8 @@ async def _submit_embedding(
     bridge = bridge_of(request)
     fbi = req[field]
     try:
-        body = await run_in_threadpool(embedding_body, fbi, forward_only, vocab)
+        hidden = hidden_size_of(bridge.worker, model.base_model)
+        body = await run_in_threadpool(embedding_body, fbi, forward_only, vocab, hidden)
     except convert.TinkerInputError as exc:
         raise _renamed(input_error(exc), field) from None
     if not body["forward_only"]:

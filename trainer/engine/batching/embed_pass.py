@@ -32,13 +32,14 @@ from trainer.engine.batching.work import PassSession
 def embedding_call(
     session: PassSession,
     limits: Limits,
+    hidden_size: int,
     samples: list[Sample],
     objective: EmbeddingObjective,
     forward_only: bool,
     gradients: list[Gradient] | None,
 ) -> dict[str, Any]:
     """`{"outputs": [[float]] | None, "metrics": {...}}`; see the module docstring. `limits`:
-    the model's, with its vocabulary."""
+    the model's, with its vocabulary; `hidden_size`: its hidden state's width."""
     if session.comm.world_size > 1:
         raise OperationError(
             "INVALID_INPUT",
@@ -47,7 +48,7 @@ def embedding_call(
         )
     check_embedding_call(samples, objective, forward_only, gradients, limits)
     prepared = [_prepared(i, sample) for i, sample in enumerate(samples)]
-    grads = _gradients(session, objective, gradients)
+    grads = _gradients(hidden_size, objective, gradients)
     model = session.policy.model
     options = session.options
     batches = pack(
@@ -87,14 +88,13 @@ def _prepared(index: int, sample: Sample) -> PreparedSample:
 
 
 def _gradients(
-    session: PassSession, objective: EmbeddingObjective, gradients: list[Gradient] | None
+    hidden: int, objective: EmbeddingObjective, gradients: list[Gradient] | None
 ) -> torch.Tensor | None:
     """The client's gradients as `[N, H]` (`embedding`) or `[N, N]` fp32."""
     if gradients is None:
         return None
     rows = [torch.from_numpy(as_float32(np.asarray(g.data))) for g in gradients]
     if objective.output == "embedding":
-        hidden = int(session.policy.model.get_decoder().config.hidden_size)
         for i, row in enumerate(rows):
             if row.numel() != hidden:
                 raise InputError(
