@@ -392,3 +392,67 @@ def test_concurrent_completions_merge_into_one_call(
     with tinker(live, "alice") as http:
         (expected,) = asample(http, path, 1, **SAMPLED)
     assert outs[8]["choices"][0]["raw_output"]["completion_token_ids"] == expected
+
+
+def test_max_tokens_0_scores_the_prompt(
+    live: LiveServer, checkpoints: dict[str, str], references: dict[str, Reference]
+) -> None:
+    """`max_tokens: 0` with `echo` (docs/semantics.md §25): the prompt's rows alone, as the
+    reference scores them, nothing generated (`length`, 0 completion tokens); without echo, or
+    streamed, a 400 naming the field."""
+    path, ref = checkpoints[QWEN], references[QWEN]
+    body = {"model": path, "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": True}
+    with inference(live, "alice") as http:
+        answer = complete(http, **body, raw_output=True)
+        for extra, field in (({"echo": False}, "max_tokens"), ({"stream": True}, "stream")):
+            refused = http.post(ROUTE, json={**body, **extra})
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["param"] == field
+    (choice,) = answer["choices"]
+    assert choice["finish_reason"] == "length"
+    assert choice["raw_output"]["completion_token_ids"] == PROMPT
+    assert answer["usage"]["completion_tokens"] == 0
+    rows = choice["logprobs"]["content"]
+    assert [r["token_id"] for r in rows] == PROMPT and rows[0]["logprob"] == 0.0
+    logprobs = ref.logprobs(PROMPT)
+    for i, row in enumerate(rows[1:], start=1):
+        assert abs(row["logprob"] - logprobs[i - 1, PROMPT[i]].item()) <= TOL
+
+
+def test_the_cookbooks_igpo_scorer_reads_the_reference(
+    live: LiveServer,
+    checkpoints: dict[str, str],
+    references: dict[str, Reference],
+    fw_models: dict[str, Path],
+    cookbook_py: Path,
+    cookbook: Path,
+) -> None:
+    """The cookbook's IGPO turn scorer (`training/utils/rl/igpo.py`:
+    `score_prefix_via_inference`, `max_tokens: 0` with echo), run unchanged in its venv, gets
+    the reference's mean log P(answer | prefix)."""
+    import subprocess
+
+    path, logprobs = checkpoints[QWEN], references[QWEN].logprobs(PROMPT)
+    prefix, answer_ids = PROMPT[:4], PROMPT[4:]
+    want = sum(logprobs[i - 1, PROMPT[i]].item() for i in range(4, len(PROMPT))) / 2
+    script = (
+        "import json, sys\n"
+        "from transformers import AutoTokenizer\n"
+        "from training.utils.rl.igpo import score_prefix_via_inference\n"
+        "url, model, key, tok, prefix, answer = sys.argv[1:]\n"
+        "tokenizer = AutoTokenizer.from_pretrained(tok)\n"
+        "print(json.dumps(score_prefix_via_inference(url, model, key, tokenizer,"
+        " json.loads(prefix), json.loads(answer))))\n"
+    )
+    argv = [f"{live.url}/inference", path, KEYS["alice"], str(fw_models[QWEN])]
+    argv += [json.dumps(prefix), json.dumps(answer_ids)]
+    done = subprocess.run(
+        [str(cookbook_py), "-c", script, *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cookbook,
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert abs(float(done.stdout.strip().splitlines()[-1]) - want) <= TOL, (done.stdout, want)

@@ -36,6 +36,7 @@ from trainer.api.fireworks.completions_wire import (
     engine_body,
     full_text,
     parse_request,
+    scored_only,
     wire_error,
 )
 from trainer.api.fireworks.targets import Target
@@ -119,9 +120,10 @@ def _prepare(
         prompt = [int(t) for t in tokenizer.encode(req.prompt)]
     else:
         prompt = req.prompt
-    if len(prompt) + req.max_tokens > entry.max_seq_length:
+    drawn = max(req.max_tokens, 1)  # a scored prompt (0) draws one, then drops it
+    if len(prompt) + drawn > entry.max_seq_length:
         raise bad_request(
-            f"max_tokens: {len(prompt)} prompt tokens + max_tokens {req.max_tokens} exceed the "
+            f"max_tokens: {len(prompt)} prompt tokens + max_tokens {drawn} exceed the "
             f"context length {entry.max_seq_length} of {entry.name}",
             "max_tokens",
         )
@@ -301,7 +303,7 @@ async def completions(request: Request) -> Response:
     ready.started = started
     if not req.stream:
         group = await run_in_threadpool(_run, bridge.worker, merger, ready)
-        return JSONResponse(_answer(ready, group, watch), headers=headers)
+        return JSONResponse(_answer(ready, scored_only(req, group), watch), headers=headers)
 
     task = asyncio.ensure_future(run_in_threadpool(_run, bridge.worker, merger, ready))
     task.add_done_callback(lambda t: queue.put_nowait(("done", t)))

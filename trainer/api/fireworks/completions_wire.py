@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from trainer.contract.routing import FORMAT as ROUTING_FORMAT
-from trainer.contract.specs import STOP_CANCELLED, STOP_STOP
+from trainer.contract.specs import STOP_CANCELLED, STOP_LENGTH, STOP_STOP
 from trainer.serving.errors import ApiError, bad_request
 
 MAX_TOP_LOGPROBS = 20
@@ -186,9 +186,20 @@ def parse_request(req: dict[str, Any]) -> CompletionRequest:
         )
     stop, stop_ids = _stop(req.get("stop"))
     n = _int(req, "n", 1, 1, MAX_N)
-    max_tokens = _int(req, "max_tokens", DEFAULT_MAX_TOKENS, 1, 1 << 31)
+    max_tokens = _int(req, "max_tokens", DEFAULT_MAX_TOKENS, 0, 1 << 31)
     top_k = _int(req, "top_k", 0, 0, 1 << 31)
     assert n is not None and max_tokens is not None and top_k is not None and top is not None
+    if max_tokens == 0:  # scoring the prompt (docs/semantics.md §25)
+        if not _bool(req, "echo") and not req.get("echo_last"):
+            raise bad_request(
+                "max_tokens: 0 scores the prompt alone, and needs echo (or echo_last) to "
+                "return it; send 1 or more to generate",
+                "max_tokens",
+            )
+        if _bool(req, "stream"):
+            raise bad_request(
+                "stream: a prompt scored alone (max_tokens 0) is not streamed", "stream"
+            )
     return CompletionRequest(
         model=model,
         prompt=_prompt(req["prompt"]),
@@ -214,7 +225,7 @@ def parse_request(req: dict[str, Any]) -> CompletionRequest:
 def engine_body(req: CompletionRequest, prompt: list[int]) -> dict[str, Any]:
     """The engine's `sample` body (`SampleBody`) for one prompt."""
     params: dict[str, Any] = {
-        "max_tokens": req.max_tokens,
+        "max_tokens": max(req.max_tokens, 1),  # 0: one token is drawn, then dropped
         "temperature": req.temperature,
         "top_p": req.top_p,
         "top_k": req.top_k or -1,
@@ -260,6 +271,21 @@ def wire_error(exc: ApiError) -> ApiError:
     """An engine check's 400 with the completion's field names."""
     param = None if exc.param is None else wire_names(exc.param)
     return ApiError(exc.status, wire_names(exc.message), param=param, code=exc.code)
+
+
+def scored_only(req: CompletionRequest, group: dict[str, Any]) -> dict[str, Any]:
+    """A `max_tokens: 0` request's engine result without the token its call drew: the prompt
+    alone, as if generation stopped at its length (`length`)."""
+    if req.max_tokens:
+        return group
+    empty: dict[str, Any] = {
+        "tokens": [],
+        "logprobs": [],
+        "sampling_logprobs": [],
+        "top_logprobs": [],
+    }
+    sequences = [{**seq, **empty, "stop_reason": STOP_LENGTH} for seq in group["sequences"]]
+    return {**group, "sequences": sequences}
 
 
 def finish_reason(stop_reason: str) -> str:
