@@ -402,8 +402,10 @@ def test_optim_step_mapping() -> None:
         with pytest.raises(TinkerInputError) as info:
             optim_step_body(req)
         assert info.value.field == field
-    out = optim_step_output({"step": 3, "metrics": {"grad_norm": 2.0, "learning_rate": 1e-4}})
-    assert out == {"metrics": {"grad_norm": 2.0, "learning_rate": 1e-4}}
+    metrics = {"grad_norm": 2.0, "grad_norm_clipped": 1.0, "learning_rate": 1e-4}
+    out = optim_step_output({"step": 3, "metrics": metrics})
+    # the Fireworks cookbook's names beside ours
+    assert out == {"metrics": {**metrics, "lr": 1e-4, "grad_norm_post_clip": 1.0}}
 
 
 def test_sample_mapping() -> None:

@@ -454,14 +454,20 @@ def grad_normalization(req: Mapping[str, Any]) -> str | None:
     return None if value.lower() == "none" else value.lower()
 
 
+# the names the Fireworks cookbook reads for two of ours (`training/utils/rl/metrics.py`)
+_OPTIM_ALIASES = {"learning_rate": "lr", "grad_norm_clipped": "grad_norm_post_clip"}
+
+
 def optim_step_output(result: dict[str, Any]) -> dict[str, Any]:
     """Our optim-step result -> Tinker's `OptimStepResponse`: `{"metrics": {...}}` with our
-    metric names (`grad_norm` before clipping, `grad_norm_clipped`, `learning_rate`, ...)."""
-    metrics = result.get("metrics") or {}
-    return {
-        "metrics": {
-            name: float(value)
-            for name, value in metrics.items()
-            if isinstance(value, int | float) and not isinstance(value, bool)
-        }
+    metric names (`grad_norm` before clipping, `grad_norm_clipped`, `learning_rate`, ...) and,
+    beside two of them, the Fireworks cookbook's (`lr`, `grad_norm_post_clip`)."""
+    metrics = {
+        name: float(value)
+        for name, value in (result.get("metrics") or {}).items()
+        if isinstance(value, int | float) and not isinstance(value, bool)
     }
+    for ours, theirs in _OPTIM_ALIASES.items():
+        if ours in metrics:
+            metrics[theirs] = metrics[ours]
+    return {"metrics": metrics}
