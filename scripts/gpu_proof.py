@@ -40,6 +40,7 @@ ENGINE_TESTS = [
     "tests/engine/test_merge.py",
     "tests/engine/test_routing_replay.py",
     "tests/engine/test_decode_transfers.py",
+    "tests/engine/test_embeddings.py",
 ]
 
 VERSIONS = """
