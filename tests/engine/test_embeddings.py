@@ -62,16 +62,16 @@ CONTRASTIVE = _objective("contrastive_loss", num_queries=B, temperature=TAU, poo
 
 
 @pytest.fixture(scope="module")
-def family_dirs(tmp_path_factory, tiny_qwen_dir, tiny_llama_dir) -> dict[str, Path]:
-    """qwen3 and llama (packed), qwen3_5 (linear attention: one sample per row), gemma3
-    (sliding windows)."""
-    out = {"qwen3": tiny_qwen_dir, "llama": tiny_llama_dir}
+def family_dirs(tmp_path_factory, tiny_qwen_dir, tiny_llama_dir, tiny_moe_dir) -> dict[str, Path]:
+    """qwen3 and llama (packed), qwen3_moe (fused experts), qwen3_5 (linear attention: one
+    sample per row), gemma3 (sliding windows)."""
+    out = {"qwen3": tiny_qwen_dir, "llama": tiny_llama_dir, "qwen3_moe": tiny_moe_dir}
     for name in ("qwen3_5", "gemma3"):
         out[name] = save_family(name, tmp_path_factory.mktemp(f"embed-{name}"))
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_5", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe", "qwen3_5", "gemma3"])
 @pytest.mark.parametrize("pooling", ["mean", "last"])
 def test_forward_vectors_equal_each_sequence_alone(family, pooling, family_dirs, tmp_path):
     model_dir = family_dirs[family]
