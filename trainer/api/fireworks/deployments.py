@@ -155,13 +155,17 @@ class DeploymentService:
             raise _exists(deployment_id)
         body = parsed(CreateBody, data)
         entry = self.worker.config.model(body.baseModel)
+        snapshot = None if entry is not None else self._promoted(who, body.baseModel)
+        if snapshot is not None:
+            entry = self.worker.config.model(snapshot[0])
         if entry is None:
             served = [m.name for m in self.worker.config.models]
             raise bad_request(
-                f"baseModel: {body.baseModel!r} is not a model this worker serves; supported: "
-                f"{served}",
+                f"baseModel: {body.baseModel!r} is not a model this worker serves nor one "
+                f"promoted in this account; supported: {served}",
                 "baseModel",
             )
+        first = None if snapshot is None else snapshot[1]
         _check_trainer_job(who, body)
         now = time.time()
         record = DeploymentRecord(
@@ -174,15 +178,32 @@ class DeploymentService:
             updated_at=now,
             body=body.model_dump(exclude_none=True),
         )
+        if first is not None:  # a promoted model: its checkpoint, hot-loaded from the start
+            record = replace(
+                record, identity=first.identity, checkpoint_id=first.checkpoint_id, lora=first.lora
+            )
         try:
             self.records.insert(record)
         except sqlite3.IntegrityError:
             raise _exists(deployment_id) from None
         if _replicas(record):
-            self._bring_up(record, who, None).wait(LOAD_WAIT_S)
+            self._bring_up(record, who, first).wait(LOAD_WAIT_S)
         else:
             self._set(record, state=READY)
         return self.find(who, deployment_id)
+
+    def _promoted(self, who: Principal, name: str) -> tuple[str, Snapshot] | None:
+        """`accounts/<a>/models/<m>` promoted in `who`'s account (a PEFT adapter or a merged
+        full model) whose checkpoint is still stored: its catalogue base model, and the
+        snapshot a deployment of it serves (docs/semantics.md §24). None for anything else,
+        another account's model included (it answers as a missing one)."""
+        parts = name.split("/")
+        if len(parts) != 4 or parts[0] != "accounts" or parts[2] != "models":
+            return None
+        model = self.records.model(parts[1], parts[3]) if parts[1] == who.user else None
+        if model is None or self.worker.checkpoints.get(model.checkpoint_id) is None:
+            return None
+        return model.base_model, Snapshot(name, model.checkpoint_id, model.lora_rank > 0)
 
     def _bring_up(
         self, record: DeploymentRecord, owner: Principal, snapshot: Snapshot | None
