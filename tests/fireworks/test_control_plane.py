@@ -182,6 +182,10 @@ def test_a_failed_load_is_failed_with_a_status_and_holds_nothing(live: LiveServe
             "trainingConfig.maxContextLength",
         ),
         ({"trainingConfig": {"baseModel": QWEN, "bogus": 1}}, "trainingConfig.bogus"),
+        (
+            {"trainingConfig": {"baseModel": QWEN, "projectionHeadDim": 64}},
+            "trainingConfig.projectionHeadDim",
+        ),
         ({"nodeCount": "two"}, "nodeCount"),
         ({"inactivityTimeout": "30m"}, "inactivityTimeout"),
         ({"forwardOnly": "yes please"}, "forwardOnly"),

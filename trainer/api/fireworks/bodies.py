@@ -41,6 +41,15 @@ class TrainingConfig(Wire):
     epochs: int | None = Field(default=None, ge=0)
     batchSize: int | None = Field(default=None, ge=0)
 
+    @field_validator("projectionHeadDim")
+    @classmethod
+    def _no_projection_head(cls, value: int | None) -> int | None:
+        """Not served (the Tinker face's create_model refuses it too): refused here, so no
+        job is made for a model that cannot then be created on it."""
+        if value:
+            raise ValueError("a train-only projection head is not served; omit it or send 0")
+        return value
+
 
 class CreateJobBody(Wire):
     trainingConfig: TrainingConfig
