@@ -30,6 +30,7 @@ from trainer.contract.rules import (
     check_count,
     check_finite,
     check_model_input,
+    check_token_budget,
     token_values,
 )
 
@@ -55,15 +56,28 @@ class EmbeddingObjective(Spec):
         return self.output != "embedding"
 
 
+def takes_gradients(output: str, forward_only: bool) -> bool:
+    """Whether a call reads one gradient per sample: a backward of a client-side objective
+    (`embedding`, `cos_similarity_matrix`)."""
+    return not forward_only and output != "contrastive_loss"
+
+
+def check_embedding_width(size: int, hidden: int | None, field: str) -> None:
+    """An `embedding` gradient has the model's hidden size (None: not known here)."""
+    if hidden is not None and size != hidden:
+        raise InputError(field, f"has {size} values for an embedding of hidden size {hidden}")
+
+
 def check_embedding_call(
     samples: Sequence[SampleLike],
     objective: EmbeddingObjective,
     forward_only: bool,
     gradients: Sequence[GradientLike] | None,
     limits: Limits,
+    hidden: int | None = None,
 ) -> None:
-    """An embedding call's samples, objective and gradients (`InputError` naming the field).
-    A gradient's length for `embedding` (the hidden size) is checked where the model is."""
+    """An embedding call's samples, objective and gradients (`InputError` naming the field);
+    `hidden`: the model's hidden size, where it is known (an `embedding` gradient's length)."""
     check_count(len(samples), limits)
     lengths = []
     for i, sample in enumerate(samples):
@@ -73,14 +87,9 @@ def check_embedding_call(
         if sample.loss_fn_inputs:
             name = sorted(sample.loss_fn_inputs)[0]
             raise InputError(f"{field}.loss_fn_inputs.{name}", "an embedding call reads none")
-    budget = limits.max_tokens_per_call
-    if budget is not None and sum(lengths) > budget:
-        raise InputError(
-            "samples",
-            f"{sum(lengths)} tokens in all exceed max_tokens_per_call {budget}{limits.of_model}",
-        )
+    check_token_budget(sum(lengths), limits)
     _check_objective(objective, len(samples))
-    _check_gradients(objective, forward_only, gradients, len(samples))
+    _check_gradients(objective, forward_only, gradients, len(samples), hidden)
 
 
 def _check_objective(objective: EmbeddingObjective, count: int) -> None:
@@ -109,9 +118,9 @@ def _check_gradients(
     forward_only: bool,
     gradients: Sequence[GradientLike] | None,
     count: int,
+    hidden: int | None,
 ) -> None:
-    takes = not forward_only and objective.output != "contrastive_loss"
-    if not takes:
+    if not takes_gradients(objective.output, forward_only):
         if gradients is not None:
             why = "a forward" if forward_only else "contrastive_loss computes its own"
             raise InputError("gradients", f"are not taken: {why}")
@@ -129,4 +138,6 @@ def _check_gradients(
             )
         if len(data) == 0:
             raise InputError(f"gradients[{i}].data", "is empty")
+        if objective.output == "embedding":
+            check_embedding_width(len(data), hidden, f"gradients[{i}].data")
         check_finite(data, f"gradients[{i}].data")

@@ -15,13 +15,14 @@ from typing import Any
 
 from trainer.api.tinker.convert_inputs import (
     TinkerInputError,
+    as_tinker,
     flag,
     integer,
     number,
     tensor_values,
     token_ids,
 )
-from trainer.contract.embeddings import OUTPUTS
+from trainer.contract.embeddings import OUTPUTS, check_embedding_width, takes_gradients
 
 FBI = "forward_backward_input"
 CONFIG = f"{FBI}.loss_fn_config"
@@ -51,7 +52,7 @@ def embedding_body(
     data = fbi.get("data")
     if not isinstance(data, list) or not data:
         raise TinkerInputError(f"{FBI}.data", "must be a non-empty list of datums")
-    takes = not forward_only and objective["output"] != "contrastive_loss"
+    takes = takes_gradients(objective["output"], forward_only)
     samples, gradients = [], []
     for i, datum in enumerate(data):
         where = f"{FBI}.data[{i}]"
@@ -76,11 +77,9 @@ def embedding_body(
                 raise TinkerInputError(f"{where}.loss_fn_inputs.{GRADS}", "is required")
             field = f"{where}.loss_fn_inputs.{GRADS}"
             values = tensor_values(inputs[GRADS], field)
-            if objective["output"] == "embedding" and hidden is not None and values.size != hidden:
-                raise TinkerInputError(
-                    f"{field}.data",
-                    f"has {values.size} values for an embedding of hidden size {hidden}",
-                )
+            if objective["output"] == "embedding":
+                with as_tinker():
+                    check_embedding_width(values.size, hidden, f"{field}.data")
             gradients.append({"data": values})
     body: dict[str, Any] = {
         "samples": samples,

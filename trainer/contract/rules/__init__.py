@@ -59,6 +59,7 @@ from trainer.contract.rules.samples import (
     check_same_columns,
     check_samples,
     check_soft_targets,
+    check_token_budget,
 )
 
 __all__ = [
@@ -89,6 +90,7 @@ __all__ = [
     "check_soft_targets",
     "check_target_ids",
     "check_target_table",
+    "check_token_budget",
     "check_topk",
     "token_field",
     "token_values",

@@ -30,6 +30,17 @@ def check_count(count: int, limits: Limits, field: str = "samples") -> None:
         )
 
 
+def check_token_budget(total: int, limits: Limits, field: str = "samples") -> None:
+    """A call's token total against `max_tokens_per_call` (None: unchecked)."""
+    budget = limits.max_tokens_per_call
+    if budget is not None and total > budget:
+        raise InputError(
+            field,
+            f"{total} tokens in all exceed max_tokens_per_call {budget}{limits.of_model}; "
+            "split the call",
+        )
+
+
 def check_model_input(
     tokens: Sequence[int] | NumArray,
     field: str,
@@ -196,13 +207,7 @@ def check_samples(
     if gradients is not None:
         check_gradient_count(len(gradients), len(samples))
     tokens = [token_values(sample.model_input) for sample in samples]
-    budget = limits.max_tokens_per_call
-    if budget is not None and (total := sum(len(t) for t in tokens)) > budget:
-        raise InputError(
-            "samples",
-            f"{total} tokens in all exceed max_tokens_per_call {budget}{limits.of_model}; "
-            "split the call",
-        )
+    check_token_budget(sum(len(t) for t in tokens), limits)
     checked = []
     for i, sample in enumerate(samples):
         field = f"samples[{i}].model_input"

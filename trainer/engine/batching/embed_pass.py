@@ -23,7 +23,7 @@ from trainer.compute.embeddings import batch_embeddings, objective_value, output
 from trainer.compute.policy import cuda_devices
 from trainer.contract.arrays import as_float32
 from trainer.contract.embeddings import EmbeddingObjective, check_embedding_call
-from trainer.contract.errors import InputError, OperationError
+from trainer.contract.errors import OperationError
 from trainer.contract.rules import Limits, token_values
 from trainer.contract.specs import Gradient, Sample
 from trainer.engine.batching.work import PassSession
@@ -46,9 +46,9 @@ def embedding_call(
             "embedding outputs are not served on a sharded (torchrun) resource; serve the "
             "model on one process",
         )
-    check_embedding_call(samples, objective, forward_only, gradients, limits)
+    check_embedding_call(samples, objective, forward_only, gradients, limits, hidden_size)
     prepared = [_prepared(i, sample) for i, sample in enumerate(samples)]
-    grads = _gradients(hidden_size, objective, gradients)
+    grads = _gradients(gradients)
     model = session.policy.model
     options = session.options
     batches = pack(
@@ -61,13 +61,13 @@ def embedding_call(
         if forward_only:
             try:
                 with torch.no_grad():
-                    vectors = _vectors(session, batches, objective, len(prepared))
+                    vectors = _vectors(session, batches, objective)
                     return _forward_result(vectors, objective, grads)
             finally:
                 session.resource.placement.reshard()
         stash = session.stash_grads()
         try:
-            metrics = _backward(session, batches, objective, grads, len(prepared))
+            metrics = _backward(session, batches, objective, grads)
             session.check_new_grads()
         except BaseException:
             session.restore_grads(stash)
@@ -87,22 +87,11 @@ def _prepared(index: int, sample: Sample) -> PreparedSample:
     )
 
 
-def _gradients(
-    hidden: int, objective: EmbeddingObjective, gradients: list[Gradient] | None
-) -> torch.Tensor | None:
-    """The client's gradients as `[N, H]` (`embedding`) or `[N, N]` fp32."""
+def _gradients(gradients: list[Gradient] | None) -> torch.Tensor | None:
+    """The client's gradients (checked) as `[N, H]` (`embedding`) or `[N, N]` fp32."""
     if gradients is None:
         return None
-    rows = [torch.from_numpy(as_float32(np.asarray(g.data))) for g in gradients]
-    if objective.output == "embedding":
-        for i, row in enumerate(rows):
-            if row.numel() != hidden:
-                raise InputError(
-                    f"gradients[{i}].data",
-                    f"has {row.numel()} values for an embedding of the model's hidden size "
-                    f"{hidden}",
-                )
-    return torch.stack(rows)
+    return torch.stack([torch.from_numpy(as_float32(np.asarray(g.data))) for g in gradients])
 
 
 def _order(batch: MicroBatch) -> torch.Tensor:
@@ -118,16 +107,12 @@ def _embed(session: PassSession, batch: MicroBatch, pooling: str) -> torch.Tenso
 
 
 def _vectors(
-    session: PassSession,
-    batches: Sequence[MicroBatch],
-    objective: EmbeddingObjective,
-    count: int,
+    session: PassSession, batches: Sequence[MicroBatch], objective: EmbeddingObjective
 ) -> torch.Tensor:
-    """Every sample's vector, `[count, H]` in sample order (with gradients where enabled)."""
+    """Every sample's vector, `[N, H]` in sample order (with gradients where enabled)."""
     parts = [_embed(session, batch, objective.pooling) for batch in batches]
     order = torch.cat([_order(batch) for batch in batches]).to(parts[0].device)
     vectors = torch.cat(parts)
-    assert vectors.shape[0] == count
     return torch.empty_like(vectors).index_copy(0, order, vectors)
 
 
@@ -136,15 +121,17 @@ def _forward_result(
 ) -> dict[str, Any]:
     metrics: dict[str, float] = {}
     if objective.output == "contrastive_loss":
-        _, metrics = _finite(*objective_value(vectors, objective, grads))
+        _, metrics = _objective(vectors, objective, grads)
     found = outputs(vectors, objective)
     rows = None if found is None else found.detach().cpu().tolist()
     return {"outputs": rows, "metrics": metrics}
 
 
-def _finite(
-    value: torch.Tensor, metrics: dict[str, float]
+def _objective(
+    vectors: torch.Tensor, objective: EmbeddingObjective, grads: torch.Tensor | None
 ) -> tuple[torch.Tensor, dict[str, float]]:
+    """`objective_value`, refused as NON_FINITE_LOSS when it is not finite."""
+    value, metrics = objective_value(vectors, objective, grads)
     if not torch.isfinite(value):
         raise OperationError("NON_FINITE_LOSS", f"the objective is not finite ({float(value)})")
     return value, metrics
@@ -155,27 +142,21 @@ def _backward(
     batches: Sequence[MicroBatch],
     objective: EmbeddingObjective,
     grads: torch.Tensor | None,
-    count: int,
 ) -> dict[str, float]:
     """Backpropagate the objective; its metrics."""
     if objective.couples_samples and len(batches) == 1:
-        value, metrics = _finite(
-            *objective_value(_vectors(session, batches, objective, count), objective, grads)
-        )
+        value, metrics = _objective(_vectors(session, batches, objective), objective, grads)
         value.backward()
         session.widen_grads()
         return metrics
     metrics = {}
     if objective.couples_samples:
+        # the RNG states are put back after it: the second forward draws the same dropout masks
         devices = cuda_devices(session.resource.device)
-        cpu, cuda = torch.get_rng_state(), [torch.cuda.get_rng_state(i) for i in devices]
-        with torch.no_grad():
-            vectors = _vectors(session, batches, objective, count)
-        torch.set_rng_state(cpu)  # the second forward draws the same dropout masks
-        for i, state in zip(devices, cuda):
-            torch.cuda.set_rng_state(state, i)
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            vectors = _vectors(session, batches, objective)
         leaf = vectors.detach().requires_grad_(True)
-        value, metrics = _finite(*objective_value(leaf, objective, grads))
+        value, metrics = _objective(leaf, objective, grads)
         (coefficients,) = torch.autograd.grad(value, leaf)
     else:
         assert grads is not None
