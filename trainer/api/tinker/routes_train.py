@@ -47,6 +47,7 @@ from trainer.serving.errors import ApiError, bad_request
 from trainer.serving.operations import hidden_size_of, vocab_size_of
 
 router = APIRouter()
+EMBEDDING_OP = "embedding-forward-backward"
 
 
 def tensor_json(value: Any) -> dict[str, Any]:
@@ -108,7 +109,8 @@ async def submit_forward_backward(
     request: Request, req: dict[str, Any], field: str, forward_only: Any, as_proto: bool = False
 ) -> dict[str, Any]:
     """The one path of `forward_backward` and the Fireworks SDK's `forward` (its input under
-    `field`, `forward_only` true): translated, validated and queued on the model's
+    `field`, `forward_only` true), and of the SDK's embedding outputs (the engine's
+    `embedding-forward-backward`): translated, validated and queued on the model's
     dispatcher; a 400 names the request's own fields."""
     bridge = bridge_of(request)
     who = principal_of(request)
@@ -120,83 +122,49 @@ async def submit_forward_backward(
     if not isinstance(fbi, dict):
         raise bad_request(f"{field}: required (an object)", field)
     vocab = vocab_size_of(bridge.worker, model.base_model)
-    if is_embedding(fbi):
-        return await _submit_embedding(request, model, req, field, forward_only, vocab, as_proto)
     try:
-        body, provenance = await run_in_threadpool(
-            convert.forward_backward_request, fbi, forward_only, vocab
-        )
-        if provenance is not None:  # stable_reinforce: the records its spans name
-            body = await run_in_threadpool(
-                stability.resolve,
-                bridge.stability,
-                model.tinker_session,
-                body,
-                provenance,
-                f"{FBI}.data",
+        if is_embedding(fbi):  # the Fireworks SDK's embedding outputs (convert_embeddings)
+            op, loss_fn = EMBEDDING_OP, "embedding"
+            hidden = hidden_size_of(bridge.worker, model.base_model)
+            body = await run_in_threadpool(embedding_body, fbi, forward_only, vocab, hidden)
+        else:
+            op, loss_fn = "forward-backward", str(fbi.get("loss_fn", ""))
+            body, provenance = await run_in_threadpool(
+                convert.forward_backward_request, fbi, forward_only, vocab
             )
+            if provenance is not None:  # stable_reinforce: the records its spans name
+                body = await run_in_threadpool(
+                    stability.resolve,
+                    bridge.stability,
+                    model.tinker_session,
+                    body,
+                    provenance,
+                    f"{FBI}.data",
+                )
     except convert.TinkerInputError as exc:
         raise _renamed(input_error(exc), field) from None
     forward_only = body["forward_only"]
     if not forward_only:
         check_trainable(model, "forward_backward")
     try:
-        call = await run_in_threadpool(bridge.prepare, model.session_id, "forward-backward", body)
+        call = await run_in_threadpool(bridge.prepare, model.session_id, op, body)
     except ApiError as exc:
         raise _renamed(exc, field) from None
     kind = "Forward" if forward_only else "ForwardBackward"
-    loss_fn = str(fbi.get("loss_fn", ""))
     seq_id = seq_id_of(req)
     if as_proto and seq_id == 0:  # proto3 cannot tell 0 from absent; the SDK counts from 1
         seq_id = None
     asked = {"loss_fn": loss_fn, "body": body}
     key = await run_in_threadpool(request_key, request, model_id, kind, seq_id, asked)
+    count = len(body["samples"])
 
     def work(request_id: str) -> dict[str, Any]:
-        result = bridge.run(model, "forward-backward", call, request_id)
+        result = bridge.run(model, op, call, request_id)
+        if op == EMBEDDING_OP:
+            return storable_fb(embedding_output(result, count))
         return storable_fb(convert.forward_backward_output(result, loss_fn))
 
     return future_json(bridge.start(model_id, kind, key, work, who), model_id)
-
-
-async def _submit_embedding(
-    request: Request,
-    model: TinkerModel,
-    req: dict[str, Any],
-    field: str,
-    forward_only: Any,
-    vocab: int | None,
-    as_proto: bool,
-) -> dict[str, Any]:
-    """`submit_forward_backward` for an embedding output (`convert_embeddings`)."""
-    bridge = bridge_of(request)
-    fbi = req[field]
-    try:
-        hidden = hidden_size_of(bridge.worker, model.base_model)
-        body = await run_in_threadpool(embedding_body, fbi, forward_only, vocab, hidden)
-    except convert.TinkerInputError as exc:
-        raise _renamed(input_error(exc), field) from None
-    if not body["forward_only"]:
-        check_trainable(model, "forward_backward")
-    kind = "embedding-forward-backward"
-    try:
-        call = await run_in_threadpool(bridge.prepare, model.session_id, kind, body)
-    except ApiError as exc:
-        raise _renamed(exc, field) from None
-    count = len(body["samples"])
-    wire_kind = "Forward" if body["forward_only"] else "ForwardBackward"
-    asked = {"loss_fn": "embedding", "body": body}
-    seq_id = seq_id_of(req)
-    if as_proto and seq_id == 0:  # as `submit_forward_backward`
-        seq_id = None
-    key = await run_in_threadpool(request_key, request, model.id, wire_kind, seq_id, asked)
-
-    def work(request_id: str) -> dict[str, Any]:
-        return storable_fb(embedding_output(bridge.run(model, kind, call, request_id), count))
-
-    return future_json(
-        bridge.start(model.id, wire_kind, key, work, principal_of(request)), model.id
-    )
 
 
 @router.post("/optim_step")
