@@ -23,7 +23,7 @@ from typing import Any
 
 from trainer.api.fireworks.bodies import MODEL_ID, PromoteBody, rfc3339
 from trainer.api.fireworks.jobs import JobService, job_name
-from trainer.api.fireworks.records import JobRecord, PromotedModel
+from trainer.api.fireworks.records import JobRecord, PromotedModel, model_path
 from trainer.api.tinker.records import TinkerCheckpoint, TinkerRecords
 from trainer.checkpoint.base_weights import cached_config
 from trainer.checkpoint.export import stored_encrypted
@@ -160,10 +160,7 @@ class Catalog:
         `accounts/<a>/models/<m>` -> the PEFT directory of a LoRA model promoted in account
         `a`, when `a` is `who`'s; None otherwise (the same for another user's model, a full
         model, or a name that is no model), so the caller answers as for a missing one."""
-        parts = name.split("/")
-        if len(parts) != 4 or parts[0] != "accounts" or parts[2] != "models":
-            return None
-        model = self.records.model(parts[1], parts[3]) if parts[1] == who.user else None
+        model = self.records.own_model(name, who.user)
         if model is None or not model.lora_rank:
             return None
         return self.model_dir(model)
@@ -257,20 +254,21 @@ def base_model_details(config: dict[str, Any]) -> dict[str, Any]:
 def output_model_id(who: Principal, body: PromoteBody) -> str:
     """The id of the model a promotion makes: `output_model` is `accounts/<caller>/models/<id>`
     (a 400 naming `output_model` otherwise)."""
-    parts = body.output_model.split("/")
-    if len(parts) != 4 or parts[0] != "accounts" or parts[2] != "models":
+    path = model_path(body.output_model)
+    if path is None:
         raise bad_request(
             f"output_model: {body.output_model!r} is not accounts/<account>/models/<id>",
             "output_model",
         )
-    if parts[1] != who.user:
+    account, model_id = path
+    if account != who.user:
         raise bad_request(
             f"output_model: models are promoted into your own account (accounts/{who.user})",
             "output_model",
         )
-    if not MODEL_ID.fullmatch(parts[3]):
+    if not MODEL_ID.fullmatch(model_id):
         raise bad_request(
-            f"output_model: model id {parts[3]!r} must be 1-63 lowercase letters, digits or '-'",
+            f"output_model: model id {model_id!r} must be 1-63 lowercase letters, digits or '-'",
             "output_model",
         )
-    return parts[3]
+    return model_id

@@ -27,6 +27,7 @@ import re
 from collections.abc import Callable
 
 from trainer.api.fireworks import serverless
+from trainer.api.fireworks.records import model_path
 from trainer.api.fireworks.service import FireworksFace
 from trainer.api.fireworks.targets import Target
 from trainer.api.tinker import names, paths
@@ -85,11 +86,9 @@ class CompletionTargets:
         return self._target(name, sampler)
 
     def promoted(self, name: str, who: Principal) -> Target | None:
-        parts = name.split("/")
-        if len(parts) != 4 or parts[0] != "accounts" or parts[2] != "models":
+        if model_path(name) is None:
             return None
-        mine = parts[1] == who.user
-        model = self.face.records.model(parts[1], parts[3]) if mine else None
+        model = self.face.records.own_model(name, who.user)
         if model is None:
             raise missing(name)
         if not model.lora_rank:

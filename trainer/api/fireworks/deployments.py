@@ -197,10 +197,7 @@ class DeploymentService:
         full model) whose checkpoint is still stored: its catalogue base model, and the
         snapshot a deployment of it serves (docs/semantics.md §24). None for anything else,
         another account's model included (it answers as a missing one)."""
-        parts = name.split("/")
-        if len(parts) != 4 or parts[0] != "accounts" or parts[2] != "models":
-            return None
-        model = self.records.model(parts[1], parts[3]) if parts[1] == who.user else None
+        model = self.records.own_model(name, who.user)
         if model is None or self.worker.checkpoints.get(model.checkpoint_id) is None:
             return None
         return model.base_model, Snapshot(name, model.checkpoint_id, model.lora_rank > 0)

@@ -118,10 +118,7 @@ class JobService:
         entry = self.worker.config.model(base_model)
         if entry is not None:
             return entry, None
-        parts = base_model.split("/")
-        promoted = None
-        if parts[:1] == ["accounts"] and len(parts) == 4 and parts[1:3] == [who.user, "models"]:
-            promoted = self.records.model(parts[1], parts[3])
+        promoted = self.records.own_model(base_model, who.user)
         if promoted is None:
             served = [m.name for m in self.worker.config.models]
             raise bad_request(
@@ -359,10 +356,7 @@ class JobService:
         entry = self.worker.config.model(job.base_model)
         if entry is not None:
             return entry, None
-        promoted = None
-        parts = job.base_model.split("/")
-        if len(parts) == 4:
-            promoted = self.records.model(parts[1], parts[3])
+        promoted = self.records.own_model(job.base_model, job.account)
         if promoted is None:
             return None, None
         return self.worker.config.model(promoted.base_model), promoted.checkpoint_id

@@ -70,6 +70,14 @@ class DeploymentRecord:
     lora: bool = False  # whether that checkpoint is a LoRA adapter
 
 
+def model_path(name: str) -> tuple[str, str] | None:
+    """`(account, model id)` of a name shaped `accounts/<a>/models/<m>`; None otherwise."""
+    parts = name.split("/")
+    if len(parts) != 4 or parts[0] != "accounts" or parts[2] != "models":
+        return None
+    return parts[1], parts[3]
+
+
 Record = TypeVar("Record", JobRecord, HeldResource, PromotedModel, DeploymentRecord)
 _TABLES: dict[type[Any], str] = {
     JobRecord: "jobs",
@@ -166,6 +174,13 @@ class FireworksRecords:
     def model(self, account: str, model_id: str) -> PromotedModel | None:
         found = self.select(PromotedModel, "account = ? AND id = ?", (account, model_id))
         return found[0] if found else None
+
+    def own_model(self, name: str, user: str) -> PromotedModel | None:
+        """The model `name` (`accounts/<a>/models/<m>`) when it is promoted in `user`'s own
+        account; None for any other name, another account's model included (it reads as a
+        missing one)."""
+        path = model_path(name)
+        return self.model(user, path[1]) if path is not None and path[0] == user else None
 
     def held(self, account: str, job_id: str) -> list[HeldResource]:
         return self.select(
