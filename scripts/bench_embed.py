@@ -22,12 +22,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from scripts.bench_merge import _samples as cross_entropy_samples
 from trainer.checkpoint.store import CheckpointStore
 from trainer.contract.embeddings import EmbeddingObjective
 from trainer.contract.options import EngineOptions
@@ -41,21 +41,6 @@ from trainer.contract.specs import (
 )
 from trainer.engine.resource import ModelResource
 from trainer.tiny import TinySpec, save_model
-
-
-def _samples(count: int, tokens: int, vocab: int, ce: bool) -> list[Sample]:
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(count):
-        seq = torch.randint(2, vocab, (tokens + 1,), generator=gen).tolist()
-        body: dict[str, Any] = {"model_input": {"chunks": [{"encoded_text": {"tokens": seq[:-1]}}]}}
-        if ce:
-            body["loss_fn_inputs"] = {
-                "target_tokens": {"data": seq[1:], "dtype": "int64"},
-                "weights": {"data": [1.0] * tokens, "dtype": "float32"},
-            }
-        out.append(Sample.model_validate(body))
-    return out
 
 
 def main() -> int:
@@ -87,8 +72,8 @@ def main() -> int:
         )
         lora = LoraConfig(rank=16, alpha=32, seed=0)
         sessions[name] = resource.create_session("s", SessionSpec(lora_config=lora))
-    texts = _samples(count, args.tokens, shape.vocab, ce=False)
-    ce = _samples(count, args.tokens, shape.vocab, ce=True)
+    ce = cross_entropy_samples(1, count, args.tokens, shape.vocab)
+    texts = [Sample(model_input=s.model_input) for s in ce]  # the same tokens, no loss inputs
     objective = EmbeddingObjective(
         output="contrastive_loss", num_queries=args.pairs, temperature=0.05, pooling="last"
     )
