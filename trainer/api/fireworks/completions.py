@@ -120,10 +120,9 @@ def _prepare(
         prompt = [int(t) for t in tokenizer.encode(req.prompt)]
     else:
         prompt = req.prompt
-    drawn = max(req.max_tokens, 1)  # a scored prompt (0) draws one, then drops it
-    if len(prompt) + drawn > entry.max_seq_length:
+    if len(prompt) + req.drawn > entry.max_seq_length:
         raise bad_request(
-            f"max_tokens: {len(prompt)} prompt tokens + max_tokens {drawn} exceed the "
+            f"max_tokens: {len(prompt)} prompt tokens + max_tokens {req.drawn} exceed the "
             f"context length {entry.max_seq_length} of {entry.name}",
             "max_tokens",
         )
@@ -188,7 +187,7 @@ def _fits(members: list[Prepared]) -> bool:
     (its rows and its tokens per call, as the rulebook counts them)."""
     first = members[0]
     limits = Limits.of(first.entry, vocab_size=first.vocab)
-    n, max_tokens = first.req.n, first.req.max_tokens
+    n, max_tokens = first.req.n, first.req.drawn  # what the engine call draws
     if len(members) * n > limits.max_batch_size:
         return False
     budget = limits.max_tokens_per_call

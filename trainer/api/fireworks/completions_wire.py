@@ -65,6 +65,12 @@ class CompletionRequest:
     # R3: each logprob row's MoE experts (`routing_matrix`, docs/semantics.md §12)
     routing_matrix: bool = False
 
+    @property
+    def drawn(self) -> int:
+        """The tokens the engine draws: `max_tokens`, or one for a scored prompt (0), which
+        the answer drops (`scored_only`)."""
+        return max(self.max_tokens, 1)
+
     def echo_count(self, prompt_len: int) -> int:
         """How many of the prompt's last tokens come back before the completion."""
         if self.echo_last is not None:
@@ -225,7 +231,7 @@ def parse_request(req: dict[str, Any]) -> CompletionRequest:
 def engine_body(req: CompletionRequest, prompt: list[int]) -> dict[str, Any]:
     """The engine's `sample` body (`SampleBody`) for one prompt."""
     params: dict[str, Any] = {
-        "max_tokens": max(req.max_tokens, 1),  # 0: one token is drawn, then dropped
+        "max_tokens": req.drawn,
         "temperature": req.temperature,
         "top_p": req.top_p,
         "top_k": req.top_k or -1,
