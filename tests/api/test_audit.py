@@ -101,6 +101,8 @@ AUDITED = {
     ("POST", "/hot_load/v1/models/hot_load"),
     ("POST", "/inference/v1/completions"),
     ("POST", "/v1/completions"),
+    ("POST", "/inference/v1/chat/completions"),
+    ("POST", "/v1/chat/completions"),
 }
 
 

@@ -56,7 +56,9 @@ NO_OBJECT = {
 TINKER_PREFIX = "/api/v1"  # walked by tests/tinker/test_isolation.py
 FIREWORKS_PREFIX = "/v1/accounts"  # walked by tests/fireworks/test_control_plane.py
 HOT_LOAD = "/hot_load/"  # walked by tests/fireworks/test_deployments.py
-COMPLETIONS = ("/inference/v1/completions", "/v1/completions")  # test_completions_rules.py
+# test_completions_rules.py (both routes), test_chat_completions.py
+COMPLETIONS = ("/inference/v1/completions", "/v1/completions", "/inference/v1/chat/completions")
+COMPLETIONS += ("/v1/chat/completions",)
 SERVERLESS = "/training/v1/serverless/"  # walked by tests/fireworks/test_serverless.py
 
 

@@ -24,7 +24,7 @@ from tests.api.conftest import LiveServer, serve_in_thread
 from tests.api.team_helpers import write_keys
 from tests.fireworks.conftest import LLAMA, QWEN
 from tests.tinker import tinker_http as th
-from trainer.api.fireworks import completions
+from trainer.api.fireworks import completion_run
 from trainer.api.keys import KeyRing
 from trainer.api.tinker.records import TinkerCheckpoint
 
@@ -230,7 +230,7 @@ def assembled(chunks: list[dict[str, Any] | str], n: int = 1) -> list[dict[str, 
 def test_stream_carries_what_the_whole_answer_does(
     live: LiveServer, checkpoints: dict[str, str], base: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(completions, "FLUSH_S", 0.0)  # a chunk per decode step
+    monkeypatch.setattr(completion_run, "FLUSH_S", 0.0)  # a chunk per decode step
     path = checkpoints[base]
     body = {"model": path, "prompt": PROMPT, "logprobs": True, "raw_output": True}
     body.update(SAMPLED, max_tokens=12, perf_metrics_in_response=True)
@@ -361,7 +361,7 @@ def test_concurrent_completions_merge_into_one_call(
     them runs alone and draws exactly what `asample` draws at its seed."""
     path, ref = checkpoints[QWEN], references[QWEN]
     sizes: list[int] = []
-    real = completions._sample
+    real = completion_run.sample
 
     def counted(worker: Any, members: list[Any]) -> dict[str, Any]:
         sizes.append(len(members))
@@ -369,7 +369,7 @@ def test_concurrent_completions_merge_into_one_call(
             time.sleep(1.0)  # the others arrive meanwhile and wait together
         return real(worker, members)
 
-    monkeypatch.setattr(completions, "_sample", counted)
+    monkeypatch.setattr(completion_run, "sample", counted)
     prompts = [PROMPT, PROMPT[:4], PROMPT[1:]]
     body = {"model": path, "max_tokens": 10, "logprobs": True, "raw_output": True}
 

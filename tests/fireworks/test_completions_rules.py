@@ -28,7 +28,7 @@ from tests.fireworks.test_completions import (
     tinker,
 )
 from tests.tinker import tinker_http as th
-from trainer.api.fireworks.completions import _engine_error
+from trainer.api.fireworks.completion_run import engine_error
 from trainer.api.fireworks.records import PromotedModel
 from trainer.api.tinker.records import TinkerCheckpoint
 from trainer.compute.sampler import STOP_CANCELLED
@@ -115,6 +115,9 @@ def live_key(user: str) -> str:
     return KEYS[user]
 
 
+CHAT = "/inference/v1/chat/completions"
+
+
 def test_another_accounts_checkpoint_is_missing(
     live: LiveServer,  # noqa: F811
     checkpoints: dict[str, str],  # noqa: F811
@@ -125,6 +128,7 @@ def test_another_accounts_checkpoint_is_missing(
     run = path.split("/")[2]
     absent = f"tinker://{run}/sampler_weights/never-saved"
     body = {"prompt": PROMPT, "max_tokens": 2}
+    chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
     with inference(live, "bob") as bob:
         for theirs, missing in (
             (path, absent),
@@ -132,15 +136,17 @@ def test_another_accounts_checkpoint_is_missing(
             (promoted, "accounts/bob/models/never-promoted"),
             (promoted, "accounts/alice/models/never-promoted"),
         ):
-            got = bob.post(ROUTE, json={"model": theirs, **body})
-            none = bob.post(ROUTE, json={"model": missing, **body})
-            assert got.status_code == none.status_code == 404, (got.text, none.text)
-            assert got.json() == json.loads(none.text.replace(missing, theirs))
-            assert got.json()["error"]["param"] == "model"
+            for route, asked in ((ROUTE, body), (CHAT, chat)):
+                got = bob.post(route, json={"model": theirs, **asked})
+                none = bob.post(route, json={"model": missing, **asked})
+                assert got.status_code == none.status_code == 404, (got.text, none.text)
+                assert got.json() == json.loads(none.text.replace(missing, theirs))
+                assert got.json()["error"]["param"] == "model"
     with inference(live, "alice") as alice:
         assert alice.post(ROUTE, json={"model": path, **body}).status_code == 200
     no_key = httpx.post(f"{live.url}{ROUTE}", json={"model": path, **body})
     assert no_key.status_code == 401
+    assert httpx.post(f"{live.url}{CHAT}", json={"model": path, **chat}).status_code == 401
 
 
 def test_a_full_weight_checkpoint_is_refused_naming_model(
@@ -316,7 +322,7 @@ def test_engine_failures_answer_by_their_code() -> None:
         "INTERNAL": 500,
     }
     for code, status in cases.items():
-        error = _engine_error({"code": code, "message": "sampling_params.max_tokens: too many"})
+        error = engine_error({"code": code, "message": "sampling_params.max_tokens: too many"})
         assert error.status == status, code
-    named = _engine_error({"code": "INVALID_INPUT", "message": "m", "param": "model_inputs[0]"})
+    named = engine_error({"code": "INVALID_INPUT", "message": "m", "param": "model_inputs[0]"})
     assert named.param == "prompt"

@@ -18,7 +18,7 @@ from tests.fireworks.conftest import QWEN, SCRIPTS, run_fw
 from tests.fireworks.test_completions import assembled, complete, stream
 from tests.fireworks.venv import fireworks_python
 from tests.tinker.conftest import VOCAB, build_tokenizer
-from trainer.api.fireworks import completions
+from trainer.api.fireworks import completion_run
 from trainer.tiny import TinySpec, save_model
 
 pytestmark = pytest.mark.fireworks
@@ -64,7 +64,7 @@ def test_grpo_through_a_vllm_deployment(server: LiveServer, model: Path) -> None
 def test_a_stream_from_a_vllm_deployment_comes_as_it_is_made(
     server: LiveServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(completions, "FLUSH_S", 0.0)  # a chunk per replica step
+    monkeypatch.setattr(completion_run, "FLUSH_S", 0.0)  # a chunk per replica step
     name = "accounts/local/deployments/stream-vllm"
     with httpx.Client(base_url=server.url, headers={"X-Api-Key": TOKEN}, timeout=300) as http:
         created = http.post(

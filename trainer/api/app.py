@@ -72,6 +72,8 @@ STREAMED_POSTS = (
     "/api/v1/optim_step",
     "/inference/v1/completions",  # trainer/api/fireworks/completions.py reads its own body
     "/v1/completions",
+    "/inference/v1/chat/completions",  # trainer/api/fireworks/chat.py too
+    "/v1/chat/completions",
 )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from fastapi import Depends, FastAPI
 
 from trainer.api.fireworks import (
+    chat,
     completion_targets,
     completions,
     hotload,
@@ -37,6 +38,7 @@ def install(app: FastAPI, worker: Worker, keys: KeyRing, bridge: TinkerBridge) -
     # `model` of a completion: checkpoints, promoted and base models (`completion_targets`)
     completion_targets.register(face, bridge, app.state.tinker_samplers)
     app.include_router(completions.router, dependencies=auth)
+    app.include_router(chat.router, dependencies=auth)
     app.include_router(routes_deployments.router, dependencies=auth)
     app.include_router(hotload.router, dependencies=auth)  # /hot_load/v1/models/hot_load
     # the serverless surface: its own Tinker routes (the rest are the Tinker face's, through

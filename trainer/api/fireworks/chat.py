@@ -1,0 +1,271 @@
+"""`POST /inference/v1/chat/completions` (and `/v1/chat/completions`): chat completions on any
+sampling target of the worker, as the Fireworks SDK's `chat.completions.create` and the
+OpenAI client send them (docs/semantics.md §25a).
+
+The messages are rendered with the model's own chat template (`apply_chat_template`, the
+generation prompt added) and tokenized without added special tokens; from there the request is
+a completion of those token ids (`completion_run.serve`, shared with the text route): the same
+sampling, logprobs, echo, merging and streaming. This module holds what is the chat route's
+own: the messages, the fields only chat has, and choices with a `message`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jinja2
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from trainer.api.fireworks.completion_run import Prepared, serve
+from trainer.api.fireworks.completions_wire import (
+    CompletionRequest,
+    extra_field,
+    finish_reason,
+    full_text,
+    logprob_rows,
+    parse_request,
+)
+from trainer.api.http import json_object
+from trainer.contract.specs import ModelEntry
+from trainer.serving.errors import ApiError, bad_request
+
+router = APIRouter()
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
+IGNORED = ("metadata",)  # accepted and without effect
+NOT_SERVED = {
+    "tools": "tool calls are not parsed out of the completion here",
+    "tool_choice": "tool calls are not parsed out of the completion here",
+    "functions": "tool calls are not parsed out of the completion here",
+    "function_call": "tool calls are not parsed out of the completion here",
+    "response_format": "constrained decoding (JSON mode, schemas, grammars) is not served",
+    "reasoning_effort": "the chat template's own thinking setting is used",
+    "thinking": "the chat template's own thinking setting is used",
+}
+"""Chat fields this worker cannot honour: a 400 naming the field, never a silent drop."""
+
+
+def _content(value: Any, i: int, role: str, calls: bool) -> str | None:
+    """A message's content as text: a string, or its text parts joined."""
+    where = f"messages[{i}].content"
+    if value is None:
+        if role == "assistant" and calls:
+            return None
+        raise bad_request(f"{where}: required (a string or a list of text parts)", where)
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise bad_request(f"{where}: a string or a list of text parts", where)
+    texts: list[str] = []
+    for j, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise bad_request(
+                f"{where}[{j}].type: {str(kind)[:40]!r} is not served; this worker serves text "
+                "models, so a part is {'type': 'text', 'text': ...}",
+                f"{where}[{j}].type",
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise bad_request(f"{where}[{j}].text: must be a string", f"{where}[{j}].text")
+        texts.append(text)
+    return "".join(texts)
+
+
+def parse_messages(value: Any) -> list[dict[str, Any]]:
+    """The conversation, checked message by message (a 400 naming the first field that is
+    wrong), each content as one string."""
+    if not isinstance(value, list) or not value:
+        raise bad_request("messages: a non-empty list of messages", "messages")
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise bad_request(f"messages[{i}]: must be an object", f"messages[{i}]")
+        for key in message:
+            if key not in MESSAGE_KEYS:
+                raise extra_field(f"messages[{i}].{key}")
+        role = message.get("role")
+        if role not in ROLES:
+            raise bad_request(
+                f"messages[{i}].role: {str(role)[:40]!r} is not one of {', '.join(ROLES)}",
+                f"messages[{i}].role",
+            )
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if key in message and not isinstance(message[key], str | None):
+                raise bad_request(f"messages[{i}].{key}: must be a string", f"messages[{i}].{key}")
+        calls = message.get("tool_calls")
+        if calls is not None and not isinstance(calls, list):
+            where = f"messages[{i}].tool_calls"
+            raise bad_request(f"{where}: must be a list", where)
+        content = _content(message.get("content"), i, str(role), bool(calls))
+        out.append({**{k: v for k, v in message.items() if v is not None}, "content": content})
+    return out
+
+
+def _max_tokens(raw: dict[str, Any]) -> Any:
+    """`max_completion_tokens`, or `max_tokens` (the older name); both given must agree."""
+    newer, older = raw.get("max_completion_tokens"), raw.get("max_tokens")
+    if newer is not None and older is not None and newer != older:
+        raise bad_request(
+            f"max_completion_tokens: {newer!r} disagrees with max_tokens {older!r}; send one",
+            "max_completion_tokens",
+        )
+    return newer if newer is not None else older
+
+
+def parse_chat(raw: dict[str, Any]) -> tuple[CompletionRequest, ChatShape]:
+    """The chat request checked field by field: the completion it is, and its shape."""
+    for name, why in NOT_SERVED.items():
+        value = raw.get(name)
+        if value is None or (name == "response_format" and value == {"type": "text"}):
+            continue
+        if name == "tool_choice" and value == "none":
+            continue
+        raise bad_request(f"{name}: not served: {why}", name)
+    if raw.get("context_length_exceeded_behavior") not in (None, "error"):
+        raise bad_request(
+            "context_length_exceeded_behavior: only 'error' is served (a prompt past the "
+            "context is a 400, never truncated)",
+            "context_length_exceeded_behavior",
+        )
+    if "prompt" in raw:
+        raise extra_field("prompt")  # the text route's field
+    messages = parse_messages(raw.get("messages"))
+    token_ids = raw.get("return_token_ids")
+    if token_ids is not None and not isinstance(token_ids, bool):
+        raise bad_request("return_token_ids: must be a boolean", "return_token_ids")
+    chat_only = {*NOT_SERVED, *IGNORED, "messages", "max_completion_tokens"}
+    chat_only |= {"context_length_exceeded_behavior", "return_token_ids"}
+    body = {k: v for k, v in raw.items() if k not in chat_only}
+    body["prompt"] = [0]  # the rendered messages take its place (`ChatShape.prompt`)
+    body.pop("max_tokens", None)
+    asked = _max_tokens(raw)
+    if asked is not None:
+        body["max_tokens"] = asked
+    try:
+        req = parse_request(body)
+    except ApiError as exc:
+        if exc.param == "max_tokens" and raw.get("max_completion_tokens") is not None:
+            message = exc.message.replace("max_tokens", "max_completion_tokens", 1)
+            raise bad_request(message, "max_completion_tokens") from None
+        raise
+    return req, ChatShape(messages, asked is not None, bool(token_ids))
+
+
+class ChatShape:
+    """One chat request's rendering and answer: `chat.completion` objects whose choices carry
+    a `message` (streamed: `chat.completion.chunk` with a `delta`)."""
+
+    id_prefix = "chatcmpl-"
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def __init__(self, messages: list[dict[str, Any]], max_given: bool, token_ids: bool) -> None:
+        self.messages = messages
+        self.max_given = max_given  # otherwise the rest of the context after the prompt
+        self.token_ids = token_ids
+        self.rendered = ""
+
+    def prompt(
+        self, req: CompletionRequest, tokenizer: Any, entry: ModelEntry
+    ) -> tuple[CompletionRequest, list[int]]:
+        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+            raise bad_request(
+                f"model: {entry.name} has no chat template; send its prompt to "
+                "/inference/v1/completions",
+                "model",
+            )
+        try:
+            self.rendered = str(
+                tokenizer.apply_chat_template(
+                    self.messages, tokenize=False, add_generation_prompt=True
+                )
+            )
+        except jinja2.TemplateError as exc:
+            raise bad_request(
+                f"messages: the chat template of {entry.name} refuses them: {str(exc)[:300]}",
+                "messages",
+            ) from None
+        ids = [int(t) for t in tokenizer.encode(self.rendered, add_special_tokens=False)]
+        if not self.max_given:
+            left = entry.max_seq_length - len(ids)
+            if left < 1:
+                raise bad_request(
+                    f"messages: {len(ids)} prompt tokens fill the context length "
+                    f"{entry.max_seq_length} of {entry.name}",
+                    "messages",
+                )
+            req = dataclasses.replace(req, max_tokens=left)
+        return req, ids
+
+    def _logprobs(
+        self, ready: Prepared, group: dict[str, Any], seq: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        if not ready.req.logprobs:
+            return None
+        rows = logprob_rows(ready.req, ready.tokens, ready.prompt, group, seq)
+        offset = 0  # the rows' token strings laid end to end, as vLLM counts `text_offset`
+        for row in rows:
+            row["bytes"] = list(row["token"].encode("utf-8"))
+            row["text_offset"] = offset
+            offset += len(row["token"])
+            for top in row["top_logprobs"]:
+                top["bytes"] = list(top["token"].encode("utf-8"))
+        return {"content": rows}
+
+    def _ids(self, ready: Prepared, seq: dict[str, Any]) -> list[int]:
+        """The ids of the message's content: the echoed prompt's, then the completion's."""
+        echoed = ready.prompt[len(ready.prompt) - ready.req.echo_count(len(ready.prompt)) :]
+        return echoed + [int(t) for t in seq["tokens"]]
+
+    def _tail(self, ready: Prepared, group: dict[str, Any], seq: dict[str, Any]) -> dict[str, Any]:
+        """A choice's fields beside its message: finish reason, logprobs, raw output, ids."""
+        out: dict[str, Any] = {
+            "finish_reason": finish_reason(seq["stop_reason"]),
+            "logprobs": self._logprobs(ready, group, seq),
+        }
+        if ready.req.raw_output:
+            generated = [int(t) for t in seq["tokens"]]
+            completion = ready.tokens.tokenizer.decode(generated, skip_special_tokens=False)
+            out["raw_output"] = {
+                "prompt_fragments": [self.rendered],
+                "prompt_token_ids": ready.prompt,
+                "completion": str(completion),
+                "completion_token_ids": self._ids(ready, seq),
+            }
+        if self.token_ids:
+            out["token_ids"] = self._ids(ready, seq)
+        return out
+
+    def choice(self, ready: Prepared, group: dict[str, Any], i: int) -> dict[str, Any]:
+        seq = group["sequences"][i]
+        text = full_text(ready.req, ready.tokens, ready.prompt, seq)
+        message = {"role": "assistant", "content": text}
+        return {"index": i, "message": message, **self._tail(ready, group, seq)}
+
+    def delta(self, ready: Prepared, i: int, text: str, first: bool) -> dict[str, Any]:
+        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        return {"index": i, "delta": delta, "finish_reason": None}
+
+    def last(self, ready: Prepared, group: dict[str, Any], i: int, rest: str, first: bool) -> Any:
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if rest or first:
+            delta["content"] = rest
+        return {"index": i, "delta": delta, **self._tail(ready, group, group["sequences"][i])}
+
+    def extra(self, ready: Prepared) -> dict[str, Any]:
+        return {"prompt_token_ids": ready.prompt} if self.token_ids else {}
+
+
+@router.post("/inference/v1/chat/completions", response_model=None)
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(request: Request) -> Response:
+    started = time.monotonic()
+    bridge = request.app.state.tinker
+    raw = await json_object(request, bridge.worker.config.max_body_bytes)
+    req, shape = parse_chat(raw)
+    return await serve(request, req, shape, started)
