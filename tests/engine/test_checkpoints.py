@@ -113,6 +113,35 @@ def test_resume_refuses_mismatches(tiny_qwen_dir, tiny_llama_dir, tmp_path) -> N
         assert words in info.value.message
 
 
+def test_a_lora_sampler_checkpoint_resumes_into_full_weights_merged(
+    tiny_model_dir, tmp_path
+) -> None:
+    """A LoRA inference checkpoint resumes into a full-weight resource (how a `merged_base`
+    model deploys): weights only, the adapter merged in, head included, as plain transformers
+    loads the checkpoint's merged model. A LoRA training checkpoint still needs a LoRA
+    resource (the test above)."""
+    from transformers import AutoModelForCausalLM
+
+    lora_res = make_resource(tiny_model_dir, tmp_path, lora=True)
+    session = lora_res.create_session("a", SessionSpec(lora_config=LoraConfig(rank=4, seed=1)))
+    _train(session, range(2))
+    checkpoint = session.save_inference_checkpoint()
+    full_res = make_resource(tiny_model_dir, tmp_path, lora=False)
+    spec = SessionSpec(resume_from_checkpoint_id=checkpoint.id)
+    full = full_res.create_session("b", spec)
+    assert full.step == 0
+    tokens = [3, 17, 29, 4, 88, 61, 12]
+    with full.operation_scope(), full.policy.training(train=False):
+        got = _logprobs(full.policy.model, tokens)
+    merged = AutoModelForCausalLM.from_pretrained(checkpoint.path / "merged", dtype=torch.float32)
+    torch.testing.assert_close(got, _logprobs(merged.eval(), tokens), atol=1e-5, rtol=1e-5)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    assert not torch.allclose(got, _logprobs(base, tokens), atol=1e-3)  # it was trained
+    full_res.close_session("b")
+    with pytest.raises(OperationError, match=r"^load_optimizer"):
+        full_res.create_session("c", spec.model_copy(update={"load_optimizer": True}))
+
+
 def test_corrupted_checkpoint_is_refused(tiny_qwen_dir, tmp_path) -> None:
     resource = make_resource(tiny_qwen_dir, tmp_path)
     checkpoint = resource.create_session("a", SessionSpec()).save_training_checkpoint()

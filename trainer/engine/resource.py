@@ -247,15 +247,18 @@ class ModelResource:
                 f"checkpoint was trained on base model {state['base_model']!r}, "
                 f"this resource serves {self.entry.name!r}",
             )
-        if (state["kind"] == "lora") != self.lora:
-            kind = "LoRA" if state["kind"] == "lora" else "full-weight"
+        lora = state["kind"] == "lora"
+        # a LoRA sampler checkpoint resumes into full weights too: its adapter merged into
+        # the base weights, as from a PEFT directory (docs/semantics.md §16)
+        if lora != self.lora and not (lora and record.type == INFERENCE):
+            kind = "LoRA" if lora else "full-weight"
             raise invalid(
                 field, f"a {kind} checkpoint needs a resource with lora_enabled={not self.lora}"
             )
         if record.type == INFERENCE:
             if spec.load_optimizer:
                 raise invalid("load_optimizer", "an inference checkpoint has no optimizer state")
-            source = layout.inference_weights(record.path, self.lora)
+            source = layout.inference_weights(record.path, lora)
             return self._from_directory(session_id, spec, source, field)
         lora_config = layout.lora_config_of(state)
         self._check_rank(lora_config, field, f"checkpoint {checkpoint_id}: its ")
