@@ -6,7 +6,8 @@ has held, named as the Tinker face recorded them (`save_state("step-4")` -> `ste
 their engine id. Types, as the SDK and cookbook read them (`training/utils/checkpoints.py`
 takes types ending in `TRAINING` or `TRAINING_LORA` as resumable):
 - a training checkpoint: `CHECKPOINT_TYPE_TRAINING` (full weights) or `..._TRAINING_LORA`;
-- an inference (sampler) checkpoint: `CHECKPOINT_TYPE_INFERENCE_BASE` (a merged full model) or
+- an inference (sampler) checkpoint: `CHECKPOINT_TYPE_INFERENCE_BASE` (a merged full model:
+  full weights, or a LoRA adapter saved with `checkpoint_type="merged_base"`) or
   `..._INFERENCE_LORA` (an adapter beside its merged model); promotable unless encrypted.
 Promotion records a model `accounts/<a>/models/<m>` that serves the checkpoint's files in place:
 the merged model of a full-weight checkpoint (a job's base model through `base_weights_ref`),
@@ -66,13 +67,14 @@ class Catalog:
         out: list[JobCheckpoint] = []
         taken: set[str] = set()
         for record in records:
-            name = self._tinker_name(record) or record.id
+            rows = self._tinker_rows(record)
+            name = rows[0].name if rows else record.id
             if name in taken:
                 name = f"{name}-{record.id[5:13]}"
             taken.add(name)
             lora = bool(record.lora_rank)
             if record.type == INFERENCE:
-                kind = INFERENCE_LORA if lora else INFERENCE_FULL
+                kind = inference_type(record, any(row.merged for row in rows))
                 store = self.worker.checkpoints
                 promotable = not stored_encrypted(store, record.id)
             else:
@@ -80,11 +82,11 @@ class Catalog:
             out.append(JobCheckpoint(name, record, kind, promotable))
         return out
 
-    def _tinker_name(self, record: CheckpointRecord) -> str | None:
+    def _tinker_rows(self, record: CheckpointRecord) -> list[TinkerCheckpoint]:
+        """The Tinker face's rows naming an engine checkpoint (its path, its logical name)."""
         if self.tinker is None:
-            return None
-        rows = self.tinker.select(TinkerCheckpoint, "checkpoint_id = ?", (record.id,))
-        return rows[0].name if rows else None
+            return []
+        return self.tinker.select(TinkerCheckpoint, "checkpoint_id = ?", (record.id,))
 
     def checkpoint_json(self, job: JobRecord, found: JobCheckpoint) -> dict[str, Any]:
         return {
@@ -134,7 +136,8 @@ class Catalog:
             checkpoint_name=found.name,
             job_id=owner,
             base_model=found.record.base_model,
-            lora_rank=int(found.record.lora_rank or 0),
+            # an adapter serves as a PEFT addon; a `merged_base` save as the merged model
+            lora_rank=int(found.record.lora_rank or 0) if found.type == INFERENCE_LORA else 0,
             created_at=time.time(),
         )
         try:
@@ -229,6 +232,12 @@ class Catalog:
                 "trainerShardingScheme": {"pipelineParallelism": 1},
             },
         }
+
+
+def inference_type(record: CheckpointRecord, merged: bool) -> str:
+    """A sampler checkpoint's type: a LoRA adapter, or a full model (full weights, or a LoRA
+    adapter saved `merged_base`: folded into the base weights)."""
+    return INFERENCE_LORA if record.lora_rank and not merged else INFERENCE_FULL
 
 
 def base_model_details(config: dict[str, Any]) -> dict[str, Any]:

@@ -7,8 +7,9 @@ A session's checkpoints are the logical names its run-scoped models saved (`save
 `save_weights_for_sampler`: the name spaces `serverless.run_scope`), oldest first, each named
 `accounts/<a>/trainingSessions/<ts>/checkpoints/<run id>-<name>` (the cookbook reads the run id
 off that prefix) and typed as a job's are (`catalog`): `..._TRAINING_LORA` (resumable) or
-`..._INFERENCE_LORA` (promotable). Promotion records a model `accounts/<a>/models/<m>` serving
-the checkpoint's adapter, as a job's does. Deleting the session ends it now: its models' engine
+`..._INFERENCE_LORA` (promotable; `..._INFERENCE_BASE` when saved `merged_base`). Promotion
+records a model `accounts/<a>/models/<m>` serving the checkpoint's adapter (or its merged
+model), as a job's does. Deleting the session ends it now: its models' engine
 sessions close, its checkpoints stay. An account that is not the caller's, or a session of
 another account, answers as a missing one.
 """
@@ -26,9 +27,9 @@ from pydantic import ValidationError
 from trainer.api.fireworks import serverless
 from trainer.api.fireworks.bodies import PromoteBody, rfc3339
 from trainer.api.fireworks.catalog import (
-    INFERENCE_LORA,
     TRAINING_LORA,
     JobCheckpoint,
+    inference_type,
     output_model_id,
 )
 from trainer.api.fireworks.routes_jobs import BODY_MAX, account_of, face_of, page, page_args
@@ -79,7 +80,8 @@ def _checkpoint(bridge: TinkerBridge, name: str, row: TinkerCheckpoint) -> JobCh
     if record is None:
         return None
     if record.type == INFERENCE:
-        return JobCheckpoint(name, record, INFERENCE_LORA, not stored_encrypted(store, record.id))
+        kind = inference_type(record, row.merged)
+        return JobCheckpoint(name, record, kind, not stored_encrypted(store, record.id))
     return JobCheckpoint(name, record, TRAINING_LORA, False)
 
 

@@ -79,9 +79,11 @@ def record(
     kind: str,
     name: str,
     checkpoint_id: str,
+    merged: bool = False,
 ) -> str:
-    """Record `name` (a DNS label) of `model`'s name space for an engine checkpoint; its
-    canonical path. A name saved again names the newer checkpoint."""
+    """Record `name` (a DNS label) of `model`'s name space for an engine checkpoint (`merged`:
+    a `merged_base` sampler save); its canonical path. A name saved again names the newer
+    checkpoint."""
     scope = scope_of(model)
     path = canonical(account, scope, name)
     bridge.db.insert(
@@ -93,6 +95,7 @@ def record(
             checkpoint_id=checkpoint_id,
             created_at=time.time(),
             scope=scope,
+            merged=merged,
         ),
         replace=True,
     )

@@ -87,6 +87,9 @@ class TinkerCheckpoint:
     # published (`routes_publish`): every user of the worker may read it; its owner alone
     # may change it
     public: bool = False
+    # a sampler save with `checkpoint_type="merged_base"` (the Fireworks SDK): its LoRA
+    # adapter folded into the base weights is what it promotes to (docs/semantics.md §22)
+    merged: bool = False
 
 
 @dataclass
@@ -112,7 +115,7 @@ _TABLES: dict[type[Any], tuple[str, str]] = {
 }
 _CODEC = RowCodec(
     json=frozenset({"user_metadata", "lora_config", "result"}),
-    bools=frozenset({"frozen", "public"}),
+    bools=frozenset({"frozen", "public", "merged"}),
 )
 _ADDED_COLUMNS = (  # a store from before these columns existed gets them
     ("futures", "body_hash", "TEXT"),
@@ -123,6 +126,7 @@ _ADDED_COLUMNS = (  # a store from before these columns existed gets them
     ("models", "scope", "TEXT"),
     ("checkpoints", "scope", "TEXT"),
     ("checkpoints", "public", "INTEGER NOT NULL DEFAULT 0"),
+    ("checkpoints", "merged", "INTEGER NOT NULL DEFAULT 0"),
 )
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (

@@ -209,9 +209,10 @@ def _save(
     user_metadata: dict[str, str] | None,
     overwrite: bool,
     export: AdapterExport | None = None,
+    merged: bool = False,
 ) -> TinkerCheckpoint:
     """Write the checkpoint (training, inference, or with `export` an adapter export) and
-    record its tinker path; the record."""
+    record its tinker path (`merged`: a `merged_base` sampler save); the record."""
     path = paths.make(model.id, kind, name)
     existing = bridge.db.get(TinkerCheckpoint, path)
     if existing is not None and not overwrite:
@@ -235,6 +236,7 @@ def _save(
         created_at=now,
         expires_at=now + ttl_seconds if ttl_seconds else None,
         user_metadata=user_metadata,
+        merged=merged,
     )
     bridge.db.insert(saved, replace=True)
     return saved
@@ -266,7 +268,9 @@ def _named(bridge: TinkerBridge, account: str, model: TinkerModel, saved: Tinker
     """Record a saved checkpoint's logical name when it is one; the logical path."""
     if not names.DNS_LABEL.fullmatch(saved.name):
         return saved.path
-    return names.record(bridge, account, model, saved.kind, saved.name, saved.checkpoint_id)
+    return names.record(
+        bridge, account, model, saved.kind, saved.name, saved.checkpoint_id, saved.merged
+    )
 
 
 @router.post("/save_weights")
@@ -300,10 +304,25 @@ async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
     who = principal_of(request)
     samplers = samplers_of(request)
     account, logical = names.account_of(who, binding_of(request)), firetitan(request)
+    merged = body.checkpoint_type == "merged_base"
+    if merged and not model.lora_rank:
+        raise bad_request(
+            "checkpoint_type: 'merged_base' folds a LoRA adapter into the base weights; a "
+            "full-weight model saves 'base'",
+            "checkpoint_type",
+        )
 
     def work(request_id: str) -> dict[str, Any]:
         saved = _save(
-            bridge, model, "sampler", name, request_id, body.ttl_seconds, body.user_metadata, True
+            bridge,
+            model,
+            "sampler",
+            name,
+            request_id,
+            body.ttl_seconds,
+            body.user_metadata,
+            True,
+            merged=merged,
         )
         path = saved.path
         _publish_for_samplers(samplers, bridge, model, path, request_id)
