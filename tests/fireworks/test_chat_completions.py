@@ -384,6 +384,11 @@ def test_the_fireworks_sdk_reads_the_chat_answer(
     assert streamed["roles"] == ["assistant"]
     for token, logprob, dist in zip(expected, whole["logprobs"], dists, strict=True):
         assert abs(logprob - dist[token].item()) <= TOL
+    # the text route of the same ids, through the SDK's typed logprobs and raw output
+    plain = out["text"]
+    assert plain["token_ids"] == expected and plain["logprobs"] == whole["logprobs"]
+    assert plain["text"] == text and plain["fragments"] == prompt
+    assert plain["offsets"][0] == 0 and plain["offsets"] == sorted(plain["offsets"])
 
 
 def test_the_cookbooks_renderer_probe_reads_the_chat_answer(

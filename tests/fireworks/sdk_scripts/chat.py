@@ -3,8 +3,9 @@
     python chat.py <model> <messages JSON>
 
 Prints one JSON object: `whole` (a greedy answer with logprobs, token ids and raw output, as
-the SDK's types parse it) and `streamed` (the same request streamed, put together from the
-SDK's `ChatCompletionChunk`s).
+the SDK's types parse it), `streamed` (the same request streamed, put together from the
+SDK's `ChatCompletionChunk`s) and `text` (`completions.create` of the rendered prompt's ids,
+greedy, read through the SDK's typed `NewLogProbs` and `RawOutput`).
 """
 
 from __future__ import annotations
@@ -45,7 +46,24 @@ def main() -> None:
             roles += [part.delta.role] if part.delta.role else []
             finish = part.finish_reason or finish
     streamed = {"content": content, "roles": roles, "finish_reason": finish}
-    print(json.dumps({"whole": whole, "streamed": streamed}))
+    t = client.completions.create(
+        model=model,
+        prompt=r.prompt_token_ids,
+        max_tokens=12,
+        temperature=0,
+        logprobs=True,
+        raw_output=True,
+    )
+    (c,) = t.choices
+    assert c.logprobs is not None and c.raw_output is not None
+    text = {
+        "text": c.text,
+        "token_ids": c.raw_output.completion_token_ids,
+        "logprobs": [row.logprob for row in c.logprobs.content or []],
+        "offsets": [row.text_offset for row in c.logprobs.content or []],
+        "fragments": c.raw_output.prompt_fragments,
+    }
+    print(json.dumps({"whole": whole, "streamed": streamed, "text": text}))
 
 
 if __name__ == "__main__":

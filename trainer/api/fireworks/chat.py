@@ -27,6 +27,7 @@ from trainer.api.fireworks.completions_wire import (
     full_text,
     logprob_rows,
     parse_request,
+    raw_output,
 )
 from trainer.api.http import json_object
 from trainer.contract.specs import ModelEntry
@@ -207,20 +208,7 @@ class ChatShape:
     ) -> dict[str, Any] | None:
         if not ready.req.logprobs:
             return None
-        rows = logprob_rows(ready.req, ready.tokens, ready.prompt, group, seq)
-        offset = 0  # the rows' token strings laid end to end, as vLLM counts `text_offset`
-        for row in rows:
-            row["bytes"] = list(row["token"].encode("utf-8"))
-            row["text_offset"] = offset
-            offset += len(row["token"])
-            for top in row["top_logprobs"]:
-                top["bytes"] = list(top["token"].encode("utf-8"))
-        return {"content": rows}
-
-    def _ids(self, ready: Prepared, seq: dict[str, Any]) -> list[int]:
-        """The ids of the message's content: the echoed prompt's, then the completion's."""
-        echoed = ready.prompt[len(ready.prompt) - ready.req.echo_count(len(ready.prompt)) :]
-        return echoed + [int(t) for t in seq["tokens"]]
+        return {"content": logprob_rows(ready.req, ready.tokens, ready.prompt, group, seq)}
 
     def _tail(self, ready: Prepared, group: dict[str, Any], seq: dict[str, Any]) -> dict[str, Any]:
         """A choice's fields beside its message: finish reason, logprobs, raw output, ids."""
@@ -228,17 +216,12 @@ class ChatShape:
             "finish_reason": finish_reason(seq["stop_reason"]),
             "logprobs": self._logprobs(ready, group, seq),
         }
+        echoed = ready.prompt[len(ready.prompt) - ready.req.echo_count(len(ready.prompt)) :]
         if ready.req.raw_output:
-            generated = [int(t) for t in seq["tokens"]]
-            completion = ready.tokens.tokenizer.decode(generated, skip_special_tokens=False)
-            out["raw_output"] = {
-                "prompt_fragments": [self.rendered],
-                "prompt_token_ids": ready.prompt,
-                "completion": str(completion),
-                "completion_token_ids": self._ids(ready, seq),
-            }
-        if self.token_ids:
-            out["token_ids"] = self._ids(ready, seq)
+            fragments: list[Any] = [self.rendered]
+            out["raw_output"] = raw_output(ready.tokens, ready.prompt, fragments, echoed, seq)
+        if self.token_ids:  # the ids of the message's content
+            out["token_ids"] = echoed + [int(t) for t in seq["tokens"]]
         return out
 
     def choice(self, ready: Prepared, group: dict[str, Any], i: int) -> dict[str, Any]:

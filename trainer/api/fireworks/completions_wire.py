@@ -328,10 +328,15 @@ class Tokens:
 
 
 def _top(tokens: Tokens, ids: list[int], values: list[float]) -> list[dict[str, Any]]:
-    return [
-        {"token_id": int(i), "token": tokens.piece(int(i)), "logprob": float(v)}
-        for i, v in zip(ids, values, strict=True)
-    ]
+    out = []
+    for i, v in zip(ids, values, strict=True):
+        piece = tokens.piece(int(i))
+        out.append({"token_id": int(i), "token": piece, "logprob": float(v), "bytes": _utf8(piece)})
+    return out
+
+
+def _utf8(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
 
 
 def _row(
@@ -341,9 +346,11 @@ def _row(
     sampling: float | None,
     top: list[dict[str, Any]],
 ) -> dict[str, Any]:
+    piece = tokens.piece(token_id)
     return {
-        "token": tokens.piece(token_id),
+        "token": piece,
         "token_id": token_id,
+        "bytes": _utf8(piece),
         "logprob": logprob,
         "sampling_logprob": sampling,
         "top_logprobs": top,
@@ -359,11 +366,33 @@ def logprob_rows(
 ) -> list[dict[str, Any]]:
     """`logprobs.content`: the echoed prompt tokens' rows (the model's logprob of each given
     its prefix; the first prompt token, which has none, gets 0.0 and itself as its top-1: it
-    is given), then one row per generated token; each with its `routing_matrix` when asked."""
+    is given), then one row per generated token; each with its `routing_matrix` when asked.
+    A row's `text_offset` counts the rows' token strings before it, as vLLM does."""
     rows = _rows(req, tokens, prompt, group, seq)
+    offset = 0
+    for row in rows:
+        row["text_offset"] = offset
+        offset += len(row["token"])
     if req.routing_matrix:
         _add_routes(rows, len(prompt) - req.echo_count(len(prompt)), seq)
     return rows
+
+
+def raw_output(
+    tokens: Tokens, prompt: list[int], fragments: list[Any], echoed: list[int], seq: dict
+) -> dict[str, Any]:
+    """`raw_output`: the prompt as the model saw it (`fragments`: the text or ids it was made
+    of), and the completion's ids (the echoed prompt's first) and text, special tokens kept."""
+    generated = [int(t) for t in seq["tokens"]]
+    completion = "".join(tokens.piece(t) for t in generated)
+    if tokens.tokenizer is not None:
+        completion = str(tokens.tokenizer.decode(generated, skip_special_tokens=False))
+    return {
+        "prompt_fragments": fragments,
+        "prompt_token_ids": prompt,
+        "completion": completion,
+        "completion_token_ids": echoed + generated,
+    }
 
 
 def _add_routes(rows: list[dict[str, Any]], first: int, seq: dict[str, Any]) -> None:
@@ -417,7 +446,6 @@ def choice_json(
 ) -> dict[str, Any]:
     """One choice, whole (`text`: all of it, or the rest a stream has not sent)."""
     echoed = prompt[len(prompt) - req.echo_count(len(prompt)) :]
-    generated = [int(t) for t in seq["tokens"]]
     out: dict[str, Any] = {
         "index": index,
         "text": text,
@@ -431,12 +459,11 @@ def choice_json(
             "content": rows,
             "tokens": [row["token"] for row in rows],
             "token_logprobs": [row["logprob"] for row in rows],
+            "text_offset": [row["text_offset"] for row in rows],
         }
     if req.raw_output:
-        out["raw_output"] = {
-            "prompt_token_ids": prompt,
-            "completion_token_ids": echoed + generated,
-        }
+        fragments = [req.prompt] if isinstance(req.prompt, str) else list(prompt)
+        out["raw_output"] = raw_output(tokens, prompt, fragments, echoed, seq)
     return out
 
 
