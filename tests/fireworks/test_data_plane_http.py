@@ -416,8 +416,21 @@ def test_a_bound_model_trains_on_its_job_and_names_resolve_across_jobs(live: Liv
     assert err["param"] == "model_id" and "frozen reference" in err["message"], err
 
 
-def test_sampler_checkpoint_types_are_stored_whole(alice: httpx.Client) -> None:
+def test_sampler_checkpoint_types_are_stored_whole(alice: httpx.Client, live: LiveServer) -> None:
     m = model(alice, lora_config={"rank": 2, "seed": 0})
+    checkpoints = len(live.worker.checkpoints.list(limit=1 << 20))
+    # merged_base of an adapter still zero would be the base model itself: a user error,
+    # as the SDK documents, and nothing saved
+    fresh = {"model_id": m, "path": "s-fresh", "checkpoint_type": "merged_base"}
+    response = alice.post("/save_weights_for_sampler", json=fresh)
+    assert response.status_code == 200, response.text
+    failed = th.wait(alice, response.json()["request_id"])
+    assert "checkpoint_type" in failed["error"] and "still zero" in failed["error"], failed
+    assert failed["category"] == "user", failed
+    assert len(live.worker.checkpoints.list(limit=1 << 20)) == checkpoints
+    fb = {"model_id": m, "forward_backward_input": {"data": [datum()], "loss_fn": "cross_entropy"}}
+    th.ok(alice, "/forward_backward", fb)
+    th.ok(alice, "/optim_step", th.optim_body(m))
     for kind in ("base", "delta", "merged_base"):
         body = {"model_id": m, "path": f"s-{kind.replace('_', '-')}", "checkpoint_type": kind}
         out = th.ok(alice, "/save_weights_for_sampler", body)

@@ -329,6 +329,15 @@ class LoraPolicy(Policy):
         config.pop("runtime_config", None)
         return json.loads(json.dumps(config, default=_jsonable))
 
+    def delta_on_this_rank(self) -> bool:
+        """Whether this rank's shards of the adapter change the model: some `lora_B` factor
+        is non-zero (every initialisation here starts B at zero, so a fresh adapter has none)."""
+        from torch.distributed.tensor import DTensor
+
+        factors = [p.detach() for name, p in self.trainable.items() if "lora_B" in name]
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in factors]
+        return any(bool(p.count_nonzero()) for p in local)
+
     def lora_deltas(self) -> dict[str, torch.Tensor]:
         """Module path -> weight delta; for LoRA on a parameter (an MoE block's fused 3-D
         experts), the parameter's own name (`model.layers.0.mlp.experts.down_proj`)."""

@@ -22,7 +22,7 @@ from trainer.compute.batch import MicroBatch, PreparedSample, check_rules, prepa
 from trainer.compute.losses import LossInputs, LossOutputs, custom_loss, pick_loss
 from trainer.compute.moe_replay import routing_shape
 from trainer.compute.muon import MuonWithAdamW, muon_step, new_muon
-from trainer.compute.policy import Policy, cuda_devices
+from trainer.compute.policy import LoraPolicy, Policy, cuda_devices
 from trainer.compute.sampler import SampleWatch  # at run time: spmd reads the signature
 from trainer.contract.embeddings import EmbeddingObjective
 from trainer.contract.errors import OperationError, invalid
@@ -386,17 +386,22 @@ class TrainingSession(GradKeeping):
         self.training_checkpoints.append(record)
         return record
 
-    def save_inference_checkpoint(self, export: AdapterExport | None = None) -> CheckpointRecord:
+    def save_inference_checkpoint(
+        self, export: AdapterExport | None = None, merged: bool = False
+    ) -> CheckpointRecord:
         """LoRA: `adapter/` (PEFT) + `merged/`; full weights: `merged/`. Sharded weights are
         gathered to rank 0, which writes; the other ranks' result is never read.
 
         With `export` (the Tinker face's `save_weights_external`; no RL-face operation sets
         it): `adapter/` alone, in the export's naming, encrypted to its age recipients
-        (`checkpoint/export.py`), and nothing gathered. LoRA only."""
+        (`checkpoint/export.py`), and nothing gathered. LoRA only. With `merged` (the
+        Fireworks SDK's `merged_base`): refused while the adapter changes nothing."""
         if export is not None and self.lora_config is None:
             raise OperationError(
                 "INVALID_INPUT", "export: an adapter export needs a LoRA session", "export"
             )
+        if merged:
+            self._check_merge()
         source = None
         if export is None:
             with self.operation_scope():
@@ -417,6 +422,25 @@ class TrainingSession(GradKeeping):
             record = self._store(INFERENCE, writer, **meta)
         self.inference_checkpoints.append(record)
         return record
+
+    def _check_merge(self) -> None:
+        """A `merged_base` save folds the adapter into the base weights: a LoRA session only,
+        and one whose adapter is not still zero (nothing trained or loaded), which would
+        promote the base model itself under a new name."""
+        policy = self.policy
+        if not isinstance(policy, LoraPolicy):
+            raise OperationError(
+                "INVALID_INPUT",
+                "checkpoint_type: merged_base folds a LoRA adapter; a full-weight session has none",
+                "checkpoint_type",
+            )
+        if not self.comm.max_int(int(policy.delta_on_this_rank())):
+            raise OperationError(
+                "INVALID_INPUT",
+                "checkpoint_type: merged_base of an adapter that is still zero (nothing trained "
+                "or loaded) would be the base model itself; train or load_adapter first",
+                "checkpoint_type",
+            )
 
     def _store(self, kind: str, writer: Callable[[Path], None], **meta: Any) -> CheckpointRecord:
         """Write a checkpoint of this session atomically and list it in the catalogue."""

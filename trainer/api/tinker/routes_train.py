@@ -220,7 +220,9 @@ def _save(
     op = (
         "training-checkpoint" if kind == "training" else "inference-checkpoint"
     )  # sampler, external
-    extra = None if export is None else {"export": export}
+    extra: dict[str, Any] = {} if export is None else {"export": export}
+    if merged:
+        extra["merged"] = True
     call = bridge.prepare(bridge.current_session(model.id), op, {}, extra)
     output = bridge.run(model, op, call, future_id)
     checkpoint_id = str((output.get("checkpoint") or {}).get("id") or "")
