@@ -427,3 +427,20 @@ def test_the_cookbooks_renderer_probe_reads_the_chat_answer(
     assert out["prompt_token_ids"] == prompt
     assert out["completion_token_ids"] == prompt + expected  # echoed, as the probe expects
     assert out["stop_reason"] == "length"
+
+
+def test_a_template_that_fails_on_the_messages_is_a_400(live: LiveServer) -> None:
+    """Whatever a template raises while it renders the caller's messages (here a TypeError:
+    text plus a number) is about those messages: a 400 naming `messages`, never a 500."""
+    from trainer.serving.operations import tokenizer_of
+
+    tokenizer = tokenizer_of(live.worker, QWEN)
+    assert tokenizer is not None
+    kept = tokenizer.chat_template
+    tokenizer.chat_template = "{{ messages[0]['content'] + 1 }}"
+    try:
+        with client(live, "alice") as http:
+            error = refused(http, 400, model=QWEN, messages=MESSAGES, max_tokens=2)
+    finally:
+        tokenizer.chat_template = kept
+    assert error["param"] == "messages" and "refuses them" in error["message"], error

@@ -186,7 +186,8 @@ class ChatShape:
                     self.messages, tokenize=False, add_generation_prompt=True
                 )
             )
-        except jinja2.TemplateError as exc:
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
+            # the template ran on the caller's messages: what it raises is about them
             raise bad_request(
                 f"messages: the chat template of {entry.name} refuses them: {str(exc)[:300]}",
                 "messages",
