@@ -3,17 +3,18 @@ that dies does not take the others down with it: the tests watch how the survivo
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from trainer.spawn import free_port
 
-__all__ = ["free_port", "leave", "run_ranks"]
+__all__ = ["free_port", "leave", "run_ranks", "two_rank_case"]
 
 
 def leave(code: int) -> NoReturn:
@@ -79,3 +80,20 @@ def run_ranks(
         log.close()
         results.append(RankResult(rank, code, (log_dir / f"rank{rank}.log").read_text()))
     return results
+
+
+def two_rank_case(case: str, model_dir: Path, storage: Path, work: Path, *extra: str) -> Any:
+    """`spmd_case CASE` on two gloo ranks over `storage` (300 s, 60 s collectives): the JSON
+    rank 0 wrote; an AssertionError with a failed rank's log otherwise."""
+    out = work / "two.json"
+    args = [case, "--model-dir", str(model_dir), "--storage", str(storage), "--out", str(out)]
+    ranks = run_ranks(
+        [*args, *extra],
+        world_size=2,
+        log_dir=work,
+        timeout_s=300.0,
+        env={"TRAINER_DIST_TIMEOUT_S": "60"},
+    )
+    for rank in ranks:
+        assert rank.returncode == 0, f"rank {rank.rank} exited {rank.returncode}:\n{rank.log}"
+    return json.loads(out.read_text())

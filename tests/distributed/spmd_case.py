@@ -59,8 +59,8 @@ def _refused(resource: DistributedResource, kind: str) -> dict[str, Any]:
         refused: dict[str, Any] = {"code": None}
     except OperationError as exc:
         refused = {"code": exc.code, "message": exc.message}
-    try:  # embedding calls are refused sharded (docs/semantics.md §27), on every rank alike
-        texts = [Sample(model_input=s.model_input) for s in bad[:2]]
+    try:  # an embedding call's bad input too (docs/semantics.md §27)
+        texts = [Sample(model_input=s.model_input) for s in bad]
         session.embedding_forward_backward(texts, EmbeddingObjective(output="embedding"), True)
         refused["embedding"] = None
     except OperationError as exc:
@@ -115,6 +115,19 @@ def case_muon(spmd: Spmd, store: CheckpointStore, args: argparse.Namespace) -> d
     return result
 
 
+def case_embed(spmd: Spmd, store: CheckpointStore, args: argparse.Namespace) -> dict[str, Any]:
+    """Embedding calls, both kinds (`embed_scenario`), against `test_embed_sharded`'s
+    reference."""
+    from tests.distributed.embed_scenario import drive_embed
+
+    result = {}
+    for kind in ("full", "lora"):
+        resource = DistributedResource(spmd, entry(args.model_dir), resource_spec(kind), store)
+        result[kind] = drive_embed(resource, kind, args.width)
+        resource.close()
+    return result
+
+
 def case_families(spmd: Spmd, store: CheckpointStore, args: argparse.Namespace) -> dict[str, Any]:
     """Each family checkpoint under `--model-dir` (one folder each), sharded: a LoRA session's
     multi-sample forward and its samples (`test_families_sharded` compares them with a plain
@@ -135,6 +148,7 @@ CASES = {
     "fault": case_fault,
     "attention": case_attention,
     "muon": case_muon,
+    "embed": case_embed,
 }
 
 
@@ -145,6 +159,7 @@ def main() -> int:
     parser.add_argument("--storage", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--reference")
+    parser.add_argument("--width", type=int, default=0)  # `embed`: the hidden size
     args = parser.parse_args()
     with spy() if args.case == "attention" else contextlib.nullcontext() as seen:
         code = _run(args)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tests.distributed.attention_spy import spy
-from tests.distributed.launch import run_ranks
+from tests.distributed.launch import two_rank_case
 from tests.distributed.scenario import OPTIONS, entry, resource_spec, train_packed
 from trainer.checkpoint.store import CheckpointStore
 from trainer.engine.resource import ModelResource
@@ -39,19 +39,7 @@ def test_sharded_attention_is_the_packed_path_of_one_process(
 ) -> None:
     one, one_seen = _one_process(tiny_qwen_dir, tmp_path / "one")
     out = tmp_path / "two.json"
-    ranks = run_ranks(
-        [
-            *("attention", "--model-dir", str(tiny_qwen_dir)),
-            *("--storage", str(tmp_path / "two"), "--out", str(out)),
-        ],
-        world_size=2,
-        log_dir=tmp_path,
-        timeout_s=240.0,
-        env={"TRAINER_DIST_TIMEOUT_S": "60"},
-    )
-    for rank in ranks:
-        assert rank.returncode == 0, f"rank {rank.rank} exited {rank.returncode}:\n{rank.log}"
-    two = json.loads(out.read_text())
+    two = two_rank_case("attention", tiny_qwen_dir, tmp_path / "two", tmp_path)
     # the reference itself is the packed path: one function, no mask, one row per call
     assert one_seen["dense_masks"] == 0
     assert len(one_seen["functions"]) == 1, one_seen["functions"]

@@ -4,14 +4,13 @@ alone (docs/semantics.md §20: the layout each family's layers call for, under t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.distributed.launch import run_ranks
+from tests.distributed.launch import two_rank_case
 from tests.distributed.scenario import FAMILY_PROMPTS
 from tests.models.conformance import plain, save, sequence_logprobs
 
@@ -26,19 +25,7 @@ def sharded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, A
     models = work / "models"
     for family in FAMILIES:
         save(family, models / family)
-    ranks = run_ranks(
-        [
-            *("families", "--model-dir", str(models), "--storage", str(work / "storage")),
-            *("--out", str(work / "out.json")),
-        ],
-        world_size=2,
-        log_dir=work,
-        timeout_s=300.0,
-        env={"TRAINER_DIST_TIMEOUT_S": "60"},
-    )
-    for rank in ranks:
-        assert rank.returncode == 0, f"rank {rank.rank} exited {rank.returncode}:\n{rank.log}"
-    return models, json.loads((work / "out.json").read_text())
+    return models, two_rank_case("families", models, work / "storage", work)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
