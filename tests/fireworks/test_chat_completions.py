@@ -50,6 +50,12 @@ MESSAGES = [
         ],
     },
 ]
+# Qwen3's thinking switch: `enable_thinking` false writes an empty think block (the Qwen3
+# model's template; the Llama's has none)
+SWITCHED = TEMPLATE + (
+    "{% if add_generation_prompt and enable_thinking is defined and enable_thinking is false %}"
+    "<think>\n\n</think>\n\n{% endif %}"
+)
 WRITTEN = (  # MESSAGES in the template's format, by hand
     "<|im_start|>system\nanswer is 0 or 1 .<|im_end|>\n"
     "<|im_start|>user\nwhat is two plus three ?<|im_end|>\n<|im_start|>assistant\n"
@@ -68,7 +74,7 @@ def chat_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         )
         if name != PLAIN:
             tokenizer = AutoTokenizer.from_pretrained(where)
-            tokenizer.chat_template = TEMPLATE
+            tokenizer.chat_template = SWITCHED if name == QWEN else TEMPLATE
             tokenizer.save_pretrained(where)
         out[name] = where
     return out
@@ -109,9 +115,9 @@ def refused(http: httpx.Client, status: int, **body: Any) -> dict[str, Any]:
     return error
 
 
-def written_ids(model_dir: Path) -> list[int]:
+def written_ids(model_dir: Path, text: str = WRITTEN) -> list[int]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return [int(t) for t in tokenizer.encode(WRITTEN, add_special_tokens=False)]
+    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
 
 
 @torch.no_grad()
@@ -444,3 +450,26 @@ def test_a_template_that_fails_on_the_messages_is_a_400(live: LiveServer) -> Non
     finally:
         tokenizer.chat_template = kept
     assert error["param"] == "messages" and "refuses them" in error["message"], error
+
+
+@pytest.mark.parametrize(
+    "off",
+    [{"reasoning_effort": "none"}, {"reasoning_effort": False}, {"thinking": {"type": "disabled"}}],
+)
+def test_thinking_off_sets_the_templates_switch(
+    live: LiveServer, chat_models: dict[str, Path], off: dict[str, Any]
+) -> None:
+    """`reasoning_effort: none` (or false, or `thinking: {type: disabled}`) renders with the
+    template's `enable_thinking` false: the Qwen3 template's empty think block, written by
+    hand. A template without the switch cannot turn thinking off: a 400 naming the field."""
+    empty = WRITTEN + "<think>\n\n</think>\n\n"
+    with client(live, "alice") as http:
+        out = chat(http, model=QWEN, messages=MESSAGES, max_tokens=2, return_token_ids=True, **off)
+        assert out["prompt_token_ids"] == written_ids(chat_models[QWEN], empty)
+        assert out["prompt_token_ids"] != written_ids(chat_models[QWEN])
+        (field,) = off
+        error = refused(http, 400, model=LLAMA, messages=MESSAGES, max_tokens=2, **off)
+        assert error["param"] == field and "enable_thinking" in error["message"], error
+        both = {"reasoning_effort": "none", "thinking": {"type": "disabled"}}
+        error = refused(http, 400, model=QWEN, messages=MESSAGES, **both)
+        assert error["param"] == "thinking", error

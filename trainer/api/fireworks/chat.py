@@ -38,16 +38,21 @@ router = APIRouter()
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
 IGNORED = ("metadata",)  # accepted and without effect
+REASONING = (
+    "only 'none' (or false; thinking {'type': 'disabled'}) is served, on a model whose chat "
+    "template has an enable_thinking switch: reasoning is not split into reasoning_content here"
+)
 NOT_SERVED = {
     "tools": "tool calls are not parsed out of the completion here",
     "tool_choice": "tool calls are not parsed out of the completion here",
     "functions": "tool calls are not parsed out of the completion here",
     "function_call": "tool calls are not parsed out of the completion here",
     "response_format": "constrained decoding (JSON mode, schemas, grammars) is not served",
-    "reasoning_effort": "the chat template's own thinking setting is used",
-    "thinking": "the chat template's own thinking setting is used",
+    "reasoning_effort": REASONING,
+    "thinking": REASONING,
 }
 """Chat fields this worker cannot honour: a 400 naming the field, never a silent drop."""
+SWITCH = "enable_thinking"  # the template variable of Qwen3-style thinking switches
 
 
 def _content(value: Any, i: int, role: str, calls: bool) -> str | None:
@@ -126,7 +131,11 @@ def parse_chat(raw: dict[str, Any]) -> tuple[CompletionRequest, ChatShape]:
             continue
         if name == "tool_choice" and value == "none":
             continue
+        if thinking_off(name, value):
+            continue
         raise bad_request(f"{name}: not served: {why}", name)
+    if raw.get("reasoning_effort") is not None and raw.get("thinking") is not None:
+        raise bad_request("thinking: send it or reasoning_effort, not both", "thinking")
     if raw.get("context_length_exceeded_behavior") not in (None, "error"):
         raise bad_request(
             "context_length_exceeded_behavior: only 'error' is served (a prompt past the "
@@ -154,7 +163,16 @@ def parse_chat(raw: dict[str, Any]) -> tuple[CompletionRequest, ChatShape]:
             message = exc.message.replace("max_tokens", "max_completion_tokens", 1)
             raise bad_request(message, "max_completion_tokens") from None
         raise
-    return req, ChatShape(messages, asked is not None, bool(token_ids))
+    off = next((n for n in ("reasoning_effort", "thinking") if thinking_off(n, raw.get(n))), None)
+    return req, ChatShape(messages, asked is not None, bool(token_ids), off)
+
+
+def thinking_off(name: str, value: Any) -> bool:
+    """Whether `reasoning_effort` (`'none'` or false) or `thinking` (`{type: disabled}`) asks
+    for thinking to be off."""
+    if name == "reasoning_effort":
+        return value is False or (isinstance(value, str) and value == "none")
+    return name == "thinking" and value == {"type": "disabled"}
 
 
 class ChatShape:
@@ -165,10 +183,17 @@ class ChatShape:
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, messages: list[dict[str, Any]], max_given: bool, token_ids: bool) -> None:
+    def __init__(
+        self,
+        messages: list[dict[str, Any]],
+        max_given: bool,
+        token_ids: bool,
+        no_thinking: str | None,
+    ) -> None:
         self.messages = messages
         self.max_given = max_given  # otherwise the rest of the context after the prompt
         self.token_ids = token_ids
+        self.no_thinking = no_thinking  # the field that turned the template's switch off
         self.rendered = ""
 
     def prompt(
@@ -180,10 +205,19 @@ class ChatShape:
                 "/inference/v1/completions",
                 "model",
             )
+        switch: dict[str, Any] = {}
+        if self.no_thinking is not None:
+            if SWITCH not in str(tokenizer.chat_template):
+                raise bad_request(
+                    f"{self.no_thinking}: the chat template of {entry.name} has no {SWITCH} "
+                    "switch, so thinking cannot be turned off",
+                    self.no_thinking,
+                )
+            switch[SWITCH] = False
         try:
             self.rendered = str(
                 tokenizer.apply_chat_template(
-                    self.messages, tokenize=False, add_generation_prompt=True
+                    self.messages, tokenize=False, add_generation_prompt=True, **switch
                 )
             )
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
