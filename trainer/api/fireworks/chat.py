@@ -129,9 +129,7 @@ def parse_chat(raw: dict[str, Any]) -> tuple[CompletionRequest, ChatShape]:
         value = raw.get(name)
         if value is None or (name == "response_format" and value == {"type": "text"}):
             continue
-        if name == "tool_choice" and value == "none":
-            continue
-        if thinking_off(name, value):
+        if (name == "tool_choice" and value == "none") or thinking_off(name, value):
             continue
         raise bad_request(f"{name}: not served: {why}", name)
     if raw.get("reasoning_effort") is not None and raw.get("thinking") is not None:
@@ -251,12 +249,11 @@ class ChatShape:
             "finish_reason": finish_reason(seq["stop_reason"]),
             "logprobs": self._logprobs(ready, group, seq),
         }
-        echoed = ready.prompt[len(ready.prompt) - ready.req.echo_count(len(ready.prompt)) :]
         if ready.req.raw_output:
             fragments: list[Any] = [self.rendered]
-            out["raw_output"] = raw_output(ready.tokens, ready.prompt, fragments, echoed, seq)
+            out["raw_output"] = raw_output(ready.req, ready.tokens, ready.prompt, fragments, seq)
         if self.token_ids:  # the ids of the message's content
-            out["token_ids"] = echoed + [int(t) for t in seq["tokens"]]
+            out["token_ids"] = ready.req.echoed(ready.prompt) + [int(t) for t in seq["tokens"]]
         return out
 
     def choice(self, ready: Prepared, group: dict[str, Any], i: int) -> dict[str, Any]:

@@ -352,7 +352,7 @@ async def _stream(
     first: tuple[str, Any],
 ) -> AsyncIterator[str]:
     req, tokens, shape, head = ready.req, ready.tokens, ready.shape, ready.head(chunk=True)
-    echoed = ready.prompt[len(ready.prompt) - req.echo_count(len(ready.prompt)) :]
+    echoed = req.echoed(ready.prompt)
     rows, echo_text = req.n, tokens.text(echoed)
     sent = [echo_text] * rows  # the text each choice has sent
     opened = [False] * rows  # whether each choice has sent a chunk

@@ -77,6 +77,10 @@ class CompletionRequest:
             return min(self.echo_last, prompt_len)
         return prompt_len if self.echo else 0
 
+    def echoed(self, prompt: list[int]) -> list[int]:
+        """The prompt's last tokens that come back before the completion."""
+        return prompt[len(prompt) - self.echo_count(len(prompt)) :]
+
 
 # The request's fields: the request's own, by the wire's names (where the two differ: the stop
 # ids come in `stop`, `perf_metrics` is `perf_metrics_in_response`), then the accepted ones.
@@ -314,12 +318,12 @@ class Tokens:
 
     tokenizer: Any
 
-    def text(self, ids: list[int]) -> str:
+    def text(self, ids: list[int], skip_special: bool = True) -> str:
         if not ids:
             return ""
         if self.tokenizer is None:
             return "".join(f"<{i}>" for i in ids)
-        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+        return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special))
 
     def piece(self, token_id: int) -> str:
         if self.tokenizer is None:
@@ -379,19 +383,16 @@ def logprob_rows(
 
 
 def raw_output(
-    tokens: Tokens, prompt: list[int], fragments: list[Any], echoed: list[int], seq: dict
+    req: CompletionRequest, tokens: Tokens, prompt: list[int], fragments: list[Any], seq: dict
 ) -> dict[str, Any]:
     """`raw_output`: the prompt as the model saw it (`fragments`: the text or ids it was made
     of), and the completion's ids (the echoed prompt's first) and text, special tokens kept."""
     generated = [int(t) for t in seq["tokens"]]
-    completion = "".join(tokens.piece(t) for t in generated)
-    if tokens.tokenizer is not None:
-        completion = str(tokens.tokenizer.decode(generated, skip_special_tokens=False))
     return {
         "prompt_fragments": fragments,
         "prompt_token_ids": prompt,
-        "completion": completion,
-        "completion_token_ids": echoed + generated,
+        "completion": tokens.text(generated, skip_special=False),
+        "completion_token_ids": req.echoed(prompt) + generated,
     }
 
 
@@ -445,7 +446,6 @@ def choice_json(
     text: str,
 ) -> dict[str, Any]:
     """One choice, whole (`text`: all of it, or the rest a stream has not sent)."""
-    echoed = prompt[len(prompt) - req.echo_count(len(prompt)) :]
     out: dict[str, Any] = {
         "index": index,
         "text": text,
@@ -463,10 +463,9 @@ def choice_json(
         }
     if req.raw_output:
         fragments = [req.prompt] if isinstance(req.prompt, str) else list(prompt)
-        out["raw_output"] = raw_output(tokens, prompt, fragments, echoed, seq)
+        out["raw_output"] = raw_output(req, tokens, prompt, fragments, seq)
     return out
 
 
 def full_text(req: CompletionRequest, tokens: Tokens, prompt: list[int], seq: dict) -> str:
-    echoed = prompt[len(prompt) - req.echo_count(len(prompt)) :]
-    return tokens.text(echoed) + tokens.text([int(t) for t in seq["tokens"]])
+    return tokens.text(req.echoed(prompt)) + tokens.text([int(t) for t in seq["tokens"]])
