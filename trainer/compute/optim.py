@@ -179,21 +179,21 @@ def sum_replicated_grads(params: list[nn.Parameter], comm: Communicator) -> None
     """Sum the replicated parameters' gradients over ranks, in one buffer (FSDP reduces the
     shards' own). A parameter no rank's backward reached keeps no gradient, as in one process
     (an embedding call never reaches the head's adapter; a zero would give it AdamW state).
-    Nothing to do in one process. Collective."""
+    Nothing to do in one process. Collective: one all-reduce, whose last entries count the
+    ranks that reached each parameter."""
     replicated = [p for p in params if not isinstance(p, DTensor)]
     if comm.world_size == 1 or not replicated:
         return
-    reached = torch.tensor([p.grad is not None for p in replicated], device=comm.device)
-    reached = comm.sum_(reached.to(torch.int32))
-    replicated = [p for p, n in zip(replicated, reached.tolist(), strict=True) if n > 0]
-    if not replicated:
-        return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in replicated]
-    flat = comm.sum_(torch.cat([g.reshape(-1) for g in grads]))
+    reached = torch.tensor([float(p.grad is not None) for p in replicated], dtype=grads[0].dtype)
+    flat = torch.cat([*(g.reshape(-1) for g in grads), reached.to(grads[0].device)])
+    flat = comm.sum_(flat)
+    counts = flat[-len(replicated) :].tolist()
     offset = 0
-    for param in replicated:
+    for param, count in zip(replicated, counts, strict=True):
         n = param.numel()
-        param.grad = flat[offset : offset + n].view_as(param).clone()
+        if count > 0:
+            param.grad = flat[offset : offset + n].view_as(param).clone()
         offset += n
 
 
