@@ -31,12 +31,20 @@ def batch_embeddings(
     """The decoder over a micro-batch (laid out as for logprobs: `MicroBatch.decoder_inputs`),
     each sample pooled: `[len(batch.samples), H]` in `batch.samples` order. Every position of
     each sample must be kept (`PreparedSample.keep_all`)."""
+    hidden_N_H, keep_P = decoder_states(model, batch, device)
+    index_P = batch.sample_index_P.to(device)
+    return pool(hidden_N_H[keep_P], index_P, len(batch.samples), pooling)
+
+
+def decoder_states(
+    model: Any, batch: MicroBatch, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder's last hidden states over a micro-batch, `[rows·T, H]`, and which of those
+    positions are the samples' (`keep_P`)."""
     dtype = getattr(model, "dtype", torch.float32)
     inputs, keep_P = batch.decoder_inputs(model.config._attn_implementation, device, dtype)
     hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
-    hidden_N_H = hidden.reshape(-1, hidden.shape[-1])
-    index_P = batch.sample_index_P.to(device)
-    return pool(hidden_N_H[keep_P], index_P, len(batch.samples), pooling)
+    return hidden.reshape(-1, hidden.shape[-1]), keep_P
 
 
 def similarity(vectors_N_H: torch.Tensor) -> torch.Tensor:

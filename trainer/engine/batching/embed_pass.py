@@ -27,7 +27,12 @@ import torch
 from trainer.compute import optim
 from trainer.compute.architecture import ROWS, layout_of
 from trainer.compute.batch import MicroBatch, PreparedSample, pack
-from trainer.compute.embeddings import batch_embeddings, objective_value, outputs
+from trainer.compute.embeddings import (
+    batch_embeddings,
+    decoder_states,
+    objective_value,
+    outputs,
+)
 from trainer.compute.policy import cuda_devices
 from trainer.compute.rounds import empty_batch, split_by_tokens
 from trainer.contract.arrays import as_float32
@@ -152,10 +157,8 @@ class _Call:
 def _linked_zero(model: Any, batch: MicroBatch, device: torch.device) -> torch.Tensor:
     """The decoder over `batch` (one masked token), summed and times zero: a backward of it
     runs every FSDP unit and adds nothing."""
-    dtype = getattr(model, "dtype", torch.float32)
-    inputs, _ = batch.decoder_inputs(model.config._attn_implementation, device, dtype)
-    hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
-    return hidden.float().sum() * 0.0
+    hidden_N_H, _ = decoder_states(model, batch, device)
+    return hidden_N_H.float().sum() * 0.0
 
 
 def _forward_result(
