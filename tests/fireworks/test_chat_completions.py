@@ -19,9 +19,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.api.conftest import LiveServer, serve_in_thread
 from tests.api.team_helpers import write_keys
+from tests.fireworks import test_completions as completions
 from tests.fireworks.conftest import SCRIPTS, run_fw
 from tests.fireworks.test_completions import events, trained_checkpoint
-from tests.tinker import tinker_http as th
 from tests.tinker.conftest import build_served_model
 from trainer.api.keys import KeyRing
 
@@ -92,13 +92,11 @@ def live(
 
 
 def tinker(live: LiveServer, user: str) -> httpx.Client:
-    headers = {"X-API-Key": KEYS[user]}
-    return httpx.Client(base_url=f"{live.url}{th.PREFIX}", headers=headers, timeout=120)
+    return completions.tinker(live, user, KEYS)
 
 
 def client(live: LiveServer, user: str) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {KEYS[user]}"}
-    return httpx.Client(base_url=live.url, headers=headers, timeout=120)
+    return completions.inference(live, user, KEYS)
 
 
 def chat(http: httpx.Client, **body: Any) -> dict[str, Any]:

@@ -47,14 +47,15 @@ def live(
         yield server
 
 
-def tinker(live: LiveServer, user: str) -> httpx.Client:
-    return httpx.Client(
-        base_url=f"{live.url}{th.PREFIX}", headers={"X-API-Key": KEYS[user]}, timeout=120
-    )
+def tinker(live: LiveServer, user: str, keys: dict[str, str] = KEYS) -> httpx.Client:
+    """`user`'s client of the Tinker face (`keys`: another module's server's)."""
+    headers = {"X-API-Key": keys[user]}
+    return httpx.Client(base_url=f"{live.url}{th.PREFIX}", headers=headers, timeout=120)
 
 
-def inference(live: LiveServer, user: str) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {KEYS[user]}"}
+def inference(live: LiveServer, user: str, keys: dict[str, str] = KEYS) -> httpx.Client:
+    """`user`'s client of the inference routes (`keys`: another module's server's)."""
+    headers = {"Authorization": f"Bearer {keys[user]}"}
     return httpx.Client(base_url=live.url, headers=headers, timeout=120)
 
 
