@@ -229,6 +229,28 @@ def test_full_export_reloads_and_resumes_from_hf_dir(tiny_model_dir, tmp_path) -
     assert_same(weights_of(hf), trained)
 
 
+def test_a_full_model_with_its_own_head_resumes_into_a_tied_resource(
+    tiny_qwen_dir, tmp_path
+) -> None:
+    """A full model directory whose output head is its own (untied, unlike the embedding)
+    keeps it when a tied base model's full-weight session starts from it."""
+    from transformers import AutoModelForCausalLM
+
+    own_head = tmp_path / "own-head"
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_qwen_dir, dtype=torch.float32, tie_word_embeddings=False
+    )
+    with torch.no_grad():
+        model.lm_head.weight.copy_(torch.randn_like(model.lm_head.weight))
+    model.save_pretrained(own_head)
+    full = make_resource(tiny_qwen_dir, tmp_path, lora=False)
+    session = full.create_session("b", SessionSpec(resume_from_hf_checkpoint=str(own_head)))
+    with session.operation_scope(), session.policy.training(train=False):
+        got = _logprobs(session.policy.model, [3, 17, 29, 4, 88, 61, 12])
+    want = AutoModelForCausalLM.from_pretrained(own_head, dtype=torch.float32).eval()
+    assert torch.equal(got, _logprobs(want, [3, 17, 29, 4, 88, 61, 12]))
+
+
 def test_lora_resume_from_hf_adapter_dir(tiny_qwen_dir, tmp_path) -> None:
     resource = make_resource(tiny_qwen_dir, tmp_path)
     session = resource.create_session("a", SessionSpec(lora_config=LoraConfig(rank=4, seed=3)))

@@ -300,7 +300,10 @@ class ModelResource:
             raise invalid(field, "a LoRA resource resumes from a PEFT adapter directory")
         lora_config, weights = layout.read_directory(source, adapter)
         self._check_rank(lora_config, field, f"{source.name}: the adapter's ")
-        untie = adapter and not self.lora and lora_config.train_unembed
+        if self.lora:
+            untie = False
+        else:  # an adapter that trains the head, or a model whose head is its own
+            untie = lora_config.train_unembed if adapter else self._own_head(weights)
         session = self._new_session(session_id, spec, lora_config, untie_head=untie)
         return self._install(
             session,
@@ -308,6 +311,17 @@ class ModelResource:
             lambda: layout.load_directory_weights(
                 session.policy, weights, adapter, lora_config, field
             ),
+        )
+
+    def _own_head(self, weights: dict[str, torch.Tensor]) -> bool:
+        """Whether a full model's `weights` hold an output head of their own where this
+        resource ties it to the embeddings: one they store, unlike their embedding."""
+        head = weights.get("lm_head.weight")
+        embedding = weights.get(tied_source("lm_head.weight"))
+        return (
+            self._base_tied
+            and head is not None
+            and (embedding is None or not torch.equal(head, embedding))
         )
 
     def _install(
