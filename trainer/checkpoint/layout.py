@@ -147,16 +147,19 @@ def lora_config_of(state: dict[str, Any]) -> LoraConfig:
     return LoraConfig.model_validate(config, strict=False) if config else LoraConfig()
 
 
-def write_inference(policy: Policy, out: Path, tokenizer: Any, source: Any = None) -> None:
+def write_inference(
+    policy: Policy, out: Path, tokenizer: Any, source: Any = None, dtype: Any = None
+) -> None:
     """An inference checkpoint's servable weights: `adapter/` (PEFT files, LoRA only) and
     `merged/` (a model plain `transformers` loads, tied heads untied, the base never merged
-    in place). `source` stands in for the model when its `state_dict()` comes from elsewhere
-    (shards gathered to rank 0)."""
+    in place; with `dtype`, rounded to it). `source` stands in for the model when its
+    `state_dict()` comes from elsewhere (shards gathered to rank 0)."""
     model, deltas, adapter = policy.export_parts()
     if adapter is not None:
         tensors, config = adapter
         write_adapter(out / ADAPTER_DIR, tensors, config, AdapterExport(naming="peft"))
-    save_merged(model if source is None else source, out / MERGED_DIR, deltas, tokenizer)
+    merged_from = model if source is None else source
+    save_merged(merged_from, out / MERGED_DIR, deltas, tokenizer, dtype)
 
 
 def write_export(policy: Policy, out: Path, export: AdapterExport) -> None:

@@ -30,9 +30,10 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer  # eager: see the module docstring
 
-from trainer.compute import architecture, selfcheck
+from trainer.compute import architecture, precision, selfcheck
 from trainer.compute.architecture import needs_eager
 from trainer.compute.attention import use_packed_sdpa
+from trainer.compute.precision import DTYPES
 from trainer.compute.turns import TurnLock
 from trainer.contract.errors import invalid
 from trainer.contract.specs import LoraConfig, ModelEntry
@@ -48,8 +49,6 @@ COMPUTE_LOCK = TurnLock()
 
 # config.json keys that hold a model's context length, in order of preference
 _POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def default_device() -> torch.device:
@@ -398,6 +397,7 @@ def save_merged(
     out_dir: Path,
     deltas: dict[str, torch.Tensor],
     tokenizer: Any = None,
+    dtype: torch.dtype | None = None,
 ) -> None:
     """Write a plain transformers model directory: base weights + LoRA deltas, never in place.
 
@@ -406,6 +406,7 @@ def save_merged(
     weight delta to add, or a parameter's name (`model.layers.0.mlp.experts.down_proj`, a 3-D
     expert stack) to its delta. If the output head receives a delta while tied to the input
     embeddings, the export is untied: the head gets its own weight and the config says so.
+    With `dtype`, the merged weights are then rounded to it (`compute/precision.py`).
     """
     from safetensors.torch import save_file
 
@@ -427,6 +428,9 @@ def save_merged(
         config["tie_word_embeddings"] = False
         if isinstance(config.get("text_config"), dict):
             config["text_config"]["tie_word_embeddings"] = False
+    if dtype is not None:
+        state = precision.cast(state, dtype, precision.kept_in_fp32(base))
+        precision.name_dtype(config, dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {key: tensor.detach().to("cpu").contiguous().clone() for key, tensor in state.items()}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from trainer.engine.batching.work import SharingResource
 
 if TYPE_CHECKING:
+    import torch
+
     from trainer.checkpoint.store import CheckpointStore
     from trainer.contract.specs import ModelEntry, ResourceSpec
     from trainer.engine.batching.pass_scheduler import PassScheduler
@@ -37,3 +39,6 @@ class ResourceHandle(SharingResource, Protocol):
     @property
     def scheduler(self) -> PassScheduler:
         """Runs the forward(-backward) calls of its sessions, shared passes where they may."""
+
+    def export_dtype(self, name: str) -> torch.dtype:
+        """The dtype a merged model is written in at export precision `name`."""

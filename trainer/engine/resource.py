@@ -19,6 +19,7 @@ from trainer.checkpoint import base_weights, layout
 from trainer.checkpoint.export import ENCRYPTED_EXPORT, is_encrypted
 from trainer.checkpoint.layout import tied_source
 from trainer.checkpoint.store import INFERENCE, CheckpointCorrupt, CheckpointStore
+from trainer.compute import precision
 from trainer.compute.model import (
     COMPUTE_LOCK,
     default_device,
@@ -199,6 +200,14 @@ class ModelResource:
                 f"{self.entry.max_lora_rank} of {self.entry.name}",
             )
 
+    def export_dtype(self, name: str) -> torch.dtype:
+        """The dtype of a merged export at precision `name`: `source` (the base model's stored
+        dtype, else the trainer's) or `bf16` (docs/semantics.md §23)."""
+        if name == "source":
+            stored = precision.stored_dtype(local_dir(self.entry.location, self.entry.revision))
+            return stored or self.model.dtype
+        return precision.EXPORTED[name]
+
     def _use_base_weights(self, ref: str) -> None:
         """Train from inference checkpoint `ref`'s merged model: checked against the loaded
         architecture, its head untied when the export's is, then copied in."""
@@ -248,8 +257,8 @@ class ModelResource:
                 f"this resource serves {self.entry.name!r}",
             )
         lora = state["kind"] == "lora"
-        # a LoRA sampler checkpoint resumes into full weights too: its adapter merged into
-        # the base weights, as from a PEFT directory (docs/semantics.md §16)
+        # a LoRA sampler checkpoint resumes into full weights too: from its merged model, the
+        # files a promoted `merged_base` save serves (docs/semantics.md §16)
         if lora != self.lora and not (lora and record.type == INFERENCE):
             kind = "LoRA" if lora else "full-weight"
             raise invalid(
@@ -258,7 +267,7 @@ class ModelResource:
         if record.type == INFERENCE:
             if spec.load_optimizer:
                 raise invalid("load_optimizer", "an inference checkpoint has no optimizer state")
-            source = layout.inference_weights(record.path, lora)
+            source = layout.inference_weights(record.path, self.lora)
             return self._from_directory(session_id, spec, source, field)
         lora_config = layout.lora_config_of(state)
         self._check_rank(lora_config, field, f"checkpoint {checkpoint_id}: its ")

@@ -387,7 +387,11 @@ class TrainingSession(GradKeeping):
         return record
 
     def save_inference_checkpoint(
-        self, export: AdapterExport | None = None, merged: bool = False
+        self,
+        export: AdapterExport | None = None,
+        merged: bool = False,
+        precision: str | None = None,
+        decision: dict[str, Any] | None = None,
     ) -> CheckpointRecord:
         """LoRA: `adapter/` (PEFT) + `merged/`; full weights: `merged/`. Sharded weights are
         gathered to rank 0, which writes; the other ranks' result is never read.
@@ -395,7 +399,9 @@ class TrainingSession(GradKeeping):
         With `export` (the Tinker face's `save_weights_external`; no RL-face operation sets
         it): `adapter/` alone, in the export's naming, encrypted to its age recipients
         (`checkpoint/export.py`), and nothing gathered. LoRA only. With `merged` (the
-        Fireworks SDK's `merged_base`): refused while the adapter changes nothing."""
+        Fireworks SDK's `merged_base`): refused while the adapter changes nothing; `merged/`
+        is written at `precision` (`source`: the base model's stored dtype; `bf16`). With
+        `decision`, a `decision.json` beside `state.json` holds it."""
         if export is not None and self.lora_config is None:
             raise OperationError(
                 "INVALID_INPUT", "export: an adapter export needs a LoRA session", "export"
@@ -409,13 +415,16 @@ class TrainingSession(GradKeeping):
         if self.comm.rank != 0:
             return layout.placeholder_record()
         state = layout.state_json(self)
+        dtype = None if precision is None else self.resource.export_dtype(precision)
 
         def writer(out: Path) -> None:
             if export is None:
-                layout.write_inference(self.policy, out, self.resource.tokenizer, source)
+                layout.write_inference(self.policy, out, self.resource.tokenizer, source, dtype)
             else:
                 layout.write_export(self.policy, out, export)
             write_json(out / "state.json", state)
+            if decision is not None:
+                write_json(out / "decision.json", decision)
 
         meta = {} if export is None else {"export": export.meta()}
         with self.operation_scope():
