@@ -5,11 +5,14 @@ as a full model (docs/semantics.md §22, §23). The cookbook's own
 session loads a PEFT adapter (a local directory under `resume_roots` where the example expects
 `gs://`), saves it `merged_base`, waits for it to be promotable, promotes it and waits for a
 READY `HF_BASE_MODEL` without `peftDetails`. The model's deployment then serves plain
-transformers' logprobs of peft's `merge_and_unload()` of that adapter.
+transformers' logprobs of peft's `merge_and_unload()` of that adapter: rounded to bf16 when the
+save asks `export_precision="bf16"`, whose decision calibration is the checkpoint's
+`decision.json`.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,11 +21,12 @@ import httpx
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tests.api.conftest import LiveServer, serve_in_thread
 from tests.cached_venv import run_json
-from tests.fireworks.conftest import LLAMA, QWEN, SCRIPTS, fw_env
+from tests.fireworks.conftest import LLAMA, QWEN, SCRIPTS, fw_env, run_fw
 from tests.fireworks.test_control_plane import KEYS, client, write_keys
 from tests.fireworks.test_data_plane import close, reference_logprobs
 from tests.fireworks.test_deployments import BODY, settled
@@ -101,14 +105,109 @@ def test_the_cookbooks_merge_and_promote_gives_a_deployable_base_model(
     c.delete(f"/v1/accounts/alice/deployments/{stem}")
 
 
+def test_a_bf16_merged_base_deploys_its_rounded_weights(
+    live: LiveServer,
+    fw_models: dict[str, Path],
+    adapters: Path,
+    fw_python_latest: Path,
+    tmp_path: Path,
+) -> None:
+    """`export_precision="bf16"` with a decision calibration (SDK 1.2.30): the merged files are
+    bf16, the calibration is `decision.json`, and the promoted model's deployment serves those
+    files' numbers: the float32 merge rounded to bf16, not the float32 merge itself."""
+    adapter = adapters / "qwen-bf16"
+    exact = adapter_and_reference(fw_models[QWEN], adapter, tmp_path / "merged")
+    rounded = tmp_path / "merged-bf16"
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    merged.to(torch.bfloat16).save_pretrained(rounded)
+    want = reference_logprobs(rounded, SEQS)
+    assert not close(want, exact)  # the rounding shows
+    argv = [str(SCRIPTS / "merge_export.py"), QWEN, str(adapter), "2", "qwen-bf16", "bf16", "1.5"]
+    out = run_fw(fw_python_latest, live, argv, 600, KEYS["alice"])
+    assert out["model"]["kind"] == "HF_BASE_MODEL", out
+    (decision,) = live.storage.rglob("decision.json")
+    assert json.loads(decision.read_text()) == {
+        "contract": "systemone-letter-v1",
+        "objective": "nll",
+        "temperature": {"choice": 1.5},
+        "fit_rows": {},
+        "metrics": {},
+    }
+    files = load_file(str(decision.parent / "merged" / "model.safetensors"))
+    assert {t.dtype for t in files.values()} == {torch.bfloat16}
+
+    c = client(live, "alice")
+    name = "accounts/alice/models/qwen-bf16"
+    body = {**BODY, "baseModel": name, "minReplicaCount": 1}
+    made = c.post(
+        "/v1/accounts/alice/deployments",
+        params={"deploymentId": "qwen-bf16", "skipShapeValidation": "true"},
+        json=body,
+    )
+    assert made.status_code == 200, made.text
+    assert settled(c, "alice", "qwen-bf16")["loading_state"]["stage"] == "done"
+    _, got = deployment_logprobs(live, "accounts/alice/deployments/qwen-bf16", Principal("alice"))
+    assert close(got, want), (got, want)
+    c.delete("/v1/accounts/alice/deployments/qwen-bf16")
+
+
+def _tinker(live: LiveServer) -> httpx.Client:
+    headers = {"X-API-Key": KEYS["alice"], "User-Agent": "AsyncTinker/Python 0.23.0"}
+    return httpx.Client(base_url=f"{live.url}{th.PREFIX}", headers=headers, timeout=120)
+
+
+def _model(http: httpx.Client, rank: int) -> str:
+    session = th.new_session(http)
+    body: dict[str, Any] = {"session_id": session, "model_seq_id": 0, "base_model": QWEN}
+    return str(th.ok(http, "/create_model", {**body, "lora_config": {"rank": rank}})["model_id"])
+
+
 def test_merged_base_on_a_full_weight_model_is_a_400(live: LiveServer) -> None:
     """`merged_base` folds an adapter: a full-weight model has none to fold."""
-    headers = {"X-API-Key": KEYS["alice"], "User-Agent": "AsyncTinker/Python 0.23.0"}
-    with httpx.Client(base_url=f"{live.url}{th.PREFIX}", headers=headers, timeout=120) as http:
-        session = th.new_session(http)
-        body: dict[str, Any] = {"session_id": session, "model_seq_id": 0, "base_model": QWEN}
-        model_id = th.ok(http, "/create_model", {**body, "lora_config": {"rank": 0}})["model_id"]
-        save = {"model_id": model_id, "path": "mb", "checkpoint_type": "merged_base"}
+    with _tinker(live) as http:
+        save = {"model_id": _model(http, 0), "path": "mb", "checkpoint_type": "merged_base"}
         response = http.post("/save_weights_for_sampler", json=save)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "checkpoint_type"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "words"),
+    [
+        ({"export_precision": "bf16"}, "export_precision", "merged_base"),
+        (
+            {"checkpoint_type": "merged_base", "export_precision": "nvfp4"},
+            "export_precision",
+            "quantized",
+        ),
+        (
+            {"checkpoint_type": "merged_base", "export_precision": "fp4"},
+            "export_precision",
+            "one of",
+        ),
+        (
+            {"metadata": {"decision_calibration": {"temperature": {"choice": 0}}}},
+            "metadata",
+            "greater",
+        ),
+        (
+            {"metadata": {"decision_calibration": {"temperature": {"yesno": 1.0}}}},
+            "metadata",
+            "noul",
+        ),
+        ({"metadata": {"other": 1}}, "metadata", "xtra"),
+    ],
+    ids=["not-merged", "quantized", "unknown", "temperature", "question-type", "unknown-key"],
+)
+def test_export_precision_and_metadata_are_checked(
+    live: LiveServer, extra: dict[str, Any], param: str, words: str
+) -> None:
+    """Refused before anything is written: a 400 naming the field, no checkpoint."""
+    before = sorted(live.storage.rglob("state.json"))
+    with _tinker(live) as http:
+        model_id = _model(http, 2)
+        response = http.post("/save_weights_for_sampler", json={"model_id": model_id, **extra})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"].startswith(param) and words in error["message"], error
+    assert sorted(live.storage.rglob("state.json")) == before

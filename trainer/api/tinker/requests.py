@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, field_validator, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, field_validator, model_validator
 
 from trainer.checkpoint.export import MAX_RECIPIENTS, recipient
 from trainer.contract.specs import Spec
@@ -98,6 +98,41 @@ class SaveWeights(Spec):
     user_metadata: dict[str, str] | None = None
 
 
+QuestionType = Literal["noul", "choice", "score"]
+Label = Annotated[str, Field(min_length=1, max_length=64)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+METRIC_GROUPS, METRICS_PER_GROUP = 16, 32
+
+
+class DecisionCalibration(Spec):
+    """Held-out decision temperatures per question type (the Fireworks SDK's
+    `metadata.decision_calibration`), written as the checkpoint's `decision.json`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    contract: str = Field(default="systemone-letter-v1", pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")
+    objective: Literal["nll"] = "nll"
+    temperature: dict[QuestionType, Annotated[float, Field(gt=0.0, le=100.0)]]
+    fit_rows: dict[QuestionType, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+    metrics: dict[Label, dict[Label, Finite]] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _bounded(self) -> DecisionCalibration:
+        if len(self.metrics) > METRIC_GROUPS or any(
+            len(group) > METRICS_PER_GROUP for group in self.metrics.values()
+        ):
+            raise ValueError(
+                f"metrics: at most {METRIC_GROUPS} groups of {METRICS_PER_GROUP} values"
+            )
+        return self
+
+
+class SamplerMetadata(Spec):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    decision_calibration: DecisionCalibration | None = None
+
+
 class SaveWeightsForSampler(Spec):
     model_id: str = Field(min_length=1, max_length=NAME_MAX)
     path: str | None = Field(default=None, max_length=NAME_MAX)
@@ -110,8 +145,8 @@ class SaveWeightsForSampler(Spec):
     # the worker's inference checkpoint (the PEFT adapter of a LoRA model, and the merged
     # model: `merged_base`'s export); `delta` is stored whole too
     checkpoint_type: Literal["base", "delta", "merged_base"] | None = None
-    export_precision: Literal["source"] | None = None  # merged at the trainer's precision
-    metadata: dict[str, Any] | None = None
+    export_precision: str | None = Field(default=None, max_length=64)  # `merged_base` only
+    metadata: SamplerMetadata | None = None
 
 
 class LoadWeights(Spec):

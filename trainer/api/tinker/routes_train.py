@@ -43,6 +43,7 @@ from trainer.api.tinker.routes import (
 )
 from trainer.api.tinker.sampling import SamplerSessions, new_sampler, samplers_of
 from trainer.checkpoint.export import AdapterExport
+from trainer.compute.precision import EXPORTED, QUANTIZED
 from trainer.serving.errors import ApiError, bad_request
 from trainer.serving.operations import hidden_size_of, vocab_size_of
 
@@ -210,9 +211,12 @@ def _save(
     overwrite: bool,
     export: AdapterExport | None = None,
     merged: bool = False,
+    precision: str | None = None,
+    decision: dict[str, Any] | None = None,
 ) -> TinkerCheckpoint:
     """Write the checkpoint (training, inference, or with `export` an adapter export) and
-    record its tinker path (`merged`: a `merged_base` sampler save); the record."""
+    record its tinker path (`merged`: a `merged_base` sampler save, its merged model at
+    `precision`; `decision`: its `decision.json`); the record."""
     path = paths.make(model.id, kind, name)
     existing = bridge.db.get(TinkerCheckpoint, path)
     if existing is not None and not overwrite:
@@ -222,7 +226,9 @@ def _save(
     )  # sampler, external
     extra: dict[str, Any] = {} if export is None else {"export": export}
     if merged:
-        extra["merged"] = True
+        extra.update(merged=True, precision=precision)
+    if decision is not None:
+        extra["decision"] = decision
     call = bridge.prepare(bridge.current_session(model.id), op, {}, extra)
     output = bridge.run(model, op, call, future_id)
     checkpoint_id = str((output.get("checkpoint") or {}).get("id") or "")
@@ -313,6 +319,9 @@ async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
             "full-weight model saves 'base'",
             "checkpoint_type",
         )
+    precision = _export_precision(body.export_precision, merged)
+    calibration = body.metadata.decision_calibration if body.metadata else None
+    decision = None if calibration is None else calibration.model_dump(mode="json")
 
     def work(request_id: str) -> dict[str, Any]:
         saved = _save(
@@ -325,6 +334,8 @@ async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
             body.user_metadata,
             True,
             merged=merged,
+            precision=precision,
+            decision=decision,
         )
         path = saved.path
         _publish_for_samplers(samplers, bridge, model, path, request_id)
@@ -343,6 +354,31 @@ async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
         return out
 
     return future_json(bridge.start(model.id, "SaveWeightsForSampler", key, work, who), model.id)
+
+
+def _export_precision(value: str | None, merged: bool) -> str | None:
+    """The precision a sampler save writes its merged model at: a `merged_base` save's
+    `export_precision` (default `source`); any other save has none (docs/semantics.md §23)."""
+    if value is None:
+        return "source" if merged else None
+    wanted = value.lower()
+    if not merged:
+        raise bad_request(
+            "export_precision: only a checkpoint_type='merged_base' save has one",
+            "export_precision",
+        )
+    if wanted in QUANTIZED:
+        raise bad_request(
+            f"export_precision: {value!r} is a quantized format, which this worker does not "
+            "write; use 'source' or 'bf16'",
+            "export_precision",
+        )
+    if wanted not in ("source", *EXPORTED):
+        allowed = ", ".join(("source", *EXPORTED, *QUANTIZED))
+        raise bad_request(
+            f"export_precision: {value[:64]!r} is not one of {allowed}", "export_precision"
+        )
+    return wanted
 
 
 def _publish_for_samplers(
