@@ -142,6 +142,31 @@ def case_families(spmd: Spmd, store: CheckpointStore, args: argparse.Namespace) 
     return result
 
 
+def case_merged_resume(
+    spmd: Spmd, store: CheckpointStore, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Full weights from LoRA sampler checkpoints (`--reference`: `{"plain": id, "head": id}`,
+    the second's adapter training the head of a tied model), sharded: the plain one serves its
+    merged files (forward logprobs, `test_merged_resume_sharded` compares them), the other is
+    refused on every rank alike, and the group goes on."""
+    ids = json.loads(args.reference)
+    resource = DistributedResource(spmd, entry(args.model_dir), resource_spec("full"), store)
+    result: dict[str, Any] = {}
+    try:
+        resource.create_session("head", session_spec("full", ids["head"]))
+        result["refused"] = None
+    except OperationError as exc:
+        result["refused"] = {"code": exc.code, "message": exc.message}
+    session = resource.create_session("plain", session_spec("full", ids["plain"]))
+    samples = random_batch(11, n=3, weights="ones")
+    out = session.forward_backward(
+        LossConfig(type="cross_entropy"), samples, forward_only=True, return_loss_fn_outputs=True
+    )
+    result["logprobs"] = [list(o["tensors"]["logprobs"]["data"]) for o in out["loss_fn_outputs"]]
+    resource.close()
+    return result
+
+
 CASES = {
     "families": case_families,
     "train": case_train,
@@ -149,6 +174,7 @@ CASES = {
     "attention": case_attention,
     "muon": case_muon,
     "embed": case_embed,
+    "merged_resume": case_merged_resume,
 }
 
 

@@ -313,6 +313,12 @@ class ModelResource:
             untie = False
         else:  # an adapter that trains the head, or a model whose head is its own
             untie = lora_config.train_unembed if adapter else self._own_head(weights)
+        if untie and self._base_tied and self.comm.world_size > 1:  # FSDP2 holds the tied one
+            raise invalid(
+                field,
+                f"{source.name}: its output head is its own and {self.entry.name} ties it to "
+                "the embeddings: not supported with more than one rank",
+            )
         session = self._new_session(session_id, spec, lora_config, untie_head=untie)
         return self._install(
             session,
