@@ -6,7 +6,8 @@ The messages are rendered with the model's own chat template (`apply_chat_templa
 generation prompt added) and tokenized without added special tokens; from there the request is
 a completion of those token ids (`completion_run.serve`, shared with the text route): the same
 sampling, logprobs, echo, merging and streaming. This module holds what is the chat route's
-own: the messages, the fields only chat has, and choices with a `message`.
+own: the messages, the fields only chat has, and choices with a `message` (with the calls of
+offered tools parsed out of it: `chat_tools.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import jinja2
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from trainer.api.fireworks.chat_tools import check_template, parse_calls, parse_tools
 from trainer.api.fireworks.completion_run import Prepared, serve
 from trainer.api.fireworks.completions_wire import (
     CompletionRequest,
@@ -43,10 +45,8 @@ REASONING = (
     "template has an enable_thinking switch: reasoning is not split into reasoning_content here"
 )
 NOT_SERVED = {
-    "tools": "tool calls are not parsed out of the completion here",
-    "tool_choice": "tool calls are not parsed out of the completion here",
-    "functions": "tool calls are not parsed out of the completion here",
-    "function_call": "tool calls are not parsed out of the completion here",
+    "functions": "the legacy function fields are not served; send tools",
+    "function_call": "the legacy function fields are not served; send tools",
     "response_format": "constrained decoding (JSON mode, schemas, grammars) is not served",
     "reasoning_effort": REASONING,
     "thinking": REASONING,
@@ -129,7 +129,7 @@ def parse_chat(raw: dict[str, Any]) -> tuple[CompletionRequest, ChatShape]:
         value = raw.get(name)
         if value is None or (name == "response_format" and value == {"type": "text"}):
             continue
-        if (name == "tool_choice" and value == "none") or thinking_off(name, value):
+        if thinking_off(name, value):
             continue
         raise bad_request(f"{name}: not served: {why}", name)
     if raw.get("reasoning_effort") is not None and raw.get("thinking") is not None:
@@ -142,11 +142,17 @@ def parse_chat(raw: dict[str, Any]) -> tuple[CompletionRequest, ChatShape]:
         )
     if "prompt" in raw:
         raise extra_field("prompt")  # the text route's field
+    tools = parse_tools(raw)
+    if tools is not None and raw.get("stream"):
+        raise bad_request(
+            "stream: tool calls are parsed from a whole completion; send stream false with tools",
+            "stream",
+        )
     messages = parse_messages(raw.get("messages"))
     token_ids = raw.get("return_token_ids")
     if token_ids is not None and not isinstance(token_ids, bool):
         raise bad_request("return_token_ids: must be a boolean", "return_token_ids")
-    chat_only = {*NOT_SERVED, *IGNORED, "messages", "max_completion_tokens"}
+    chat_only = {*NOT_SERVED, *IGNORED, "messages", "max_completion_tokens", "tools", "tool_choice"}
     chat_only |= {"context_length_exceeded_behavior", "return_token_ids"}
     body = {k: v for k, v in raw.items() if k not in chat_only}
     body["prompt"] = [0]  # the rendered messages take its place (`ChatShape.prompt`)
@@ -162,7 +168,7 @@ def parse_chat(raw: dict[str, Any]) -> tuple[CompletionRequest, ChatShape]:
             raise bad_request(message, "max_completion_tokens") from None
         raise
     off = next((n for n in ("reasoning_effort", "thinking") if thinking_off(n, raw.get(n))), None)
-    return req, ChatShape(messages, asked is not None, bool(token_ids), off)
+    return req, ChatShape(messages, asked is not None, bool(token_ids), off, tools)
 
 
 def thinking_off(name: str, value: Any) -> bool:
@@ -187,8 +193,10 @@ class ChatShape:
         max_given: bool,
         token_ids: bool,
         no_thinking: str | None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> None:
         self.messages = messages
+        self.tools = tools  # offered: rendered by the template, calls parsed (`chat_tools`)
         self.max_given = max_given  # otherwise the rest of the context after the prompt
         self.token_ids = token_ids
         self.no_thinking = no_thinking  # the field that turned the template's switch off
@@ -212,6 +220,9 @@ class ChatShape:
                     self.no_thinking,
                 )
             switch[SWITCH] = False
+        if self.tools is not None:
+            check_template(tokenizer, entry.name)
+            switch["tools"] = self.tools
         try:
             self.rendered = str(
                 tokenizer.apply_chat_template(
@@ -243,10 +254,12 @@ class ChatShape:
             return None
         return {"content": logprob_rows(ready.req, ready.tokens, ready.prompt, group, seq)}
 
-    def _tail(self, ready: Prepared, group: dict[str, Any], seq: dict[str, Any]) -> dict[str, Any]:
+    def _tail(
+        self, ready: Prepared, group: dict[str, Any], seq: dict[str, Any], called: bool = False
+    ) -> dict[str, Any]:
         """A choice's fields beside its message: finish reason, logprobs, raw output, ids."""
         out: dict[str, Any] = {
-            "finish_reason": finish_reason(seq["stop_reason"]),
+            "finish_reason": "tool_calls" if called else finish_reason(seq["stop_reason"]),
             "logprobs": self._logprobs(ready, group, seq),
         }
         if ready.req.raw_output:
@@ -258,9 +271,18 @@ class ChatShape:
 
     def choice(self, ready: Prepared, group: dict[str, Any], i: int) -> dict[str, Any]:
         seq = group["sequences"][i]
-        text = full_text(ready.req, ready.tokens, ready.prompt, seq)
-        message = {"role": "assistant", "content": text}
-        return {"index": i, "message": message, **self._tail(ready, group, seq)}
+        if self.tools is None:
+            text = full_text(ready.req, ready.tokens, ready.prompt, seq)
+            plain = {"role": "assistant", "content": text}
+            return {"index": i, "message": plain, **self._tail(ready, group, seq)}
+        echoed = ready.tokens.text(ready.req.echoed(ready.prompt))
+        parsed = parse_calls(ready.tokens.text([int(t) for t in seq["tokens"]]))
+        content = echoed + (parsed.content or "") if echoed else parsed.content
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if parsed.calls:
+            message["tool_calls"] = parsed.calls
+        tail = self._tail(ready, group, seq, bool(parsed.calls))
+        return {"index": i, "message": message, **tail}
 
     def delta(self, ready: Prepared, i: int, text: str, first: bool) -> dict[str, Any]:
         delta = {"role": "assistant", "content": text} if first else {"content": text}

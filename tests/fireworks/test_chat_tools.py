@@ -1,0 +1,269 @@
+"""Tools on `POST /inference/v1/chat/completions` (docs/semantics.md §25a): the tools are written
+into the prompt by the model's own template (the ids of the conversation written out by hand),
+and a completion's Hermes-style calls come back as `tool_calls`, parsed by the test's own
+reading of the completion's token ids. The model is a tiny Qwen3 whose LoRA adapter was
+trained through the Tinker routes to answer with a call, so the call is the model's own output,
+sampled greedily."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from tests.api.conftest import LiveServer, serve_in_thread
+from tests.api.team_helpers import write_keys
+from tests.fireworks import test_completions as completions
+from tests.tinker import tinker_http as th
+from tests.tinker.conftest import VOCAB, build_served_model
+from trainer.api.keys import KeyRing
+
+pytestmark = pytest.mark.fireworks
+
+HERMES = "accounts/fireworks/models/qwen3-tools"
+PLAIN = "accounts/fireworks/models/qwen3-no-tools"  # a template that writes no calls
+ROUTE = "/inference/v1/chat/completions"
+START, END = "<tool_call>", "</tool_call>"
+CALL = '{"name": "add", "arguments": {"a": 2, "b": 3}}'
+TC, ETC, CALL_ID = len(VOCAB), len(VOCAB) + 1, len(VOCAB) + 2  # the extra tokens' ids
+EOS, TWO = 1, VOCAB.index("two")
+TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}\n{{ t['function']['name'] }}"
+    "{% endfor %}\n</tools><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] %}{{ m['content'] }}{% endif %}"
+    "{% if m['tool_calls'] is defined %}{% for c in m['tool_calls'] %}"
+    "<tool_call>\n{{ c['function'] | tojson }}\n</tool_call>{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+NO_CALLS = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "a plus b",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}},
+        },
+    }
+]
+ASK = [{"role": "user", "content": "what is two plus three ?"}]
+WITH_TOOLS = (
+    "<|im_start|>system\n<tools>\nadd\n</tools><|im_end|>\n"
+    "<|im_start|>user\nwhat is two plus three ?<|im_end|>\n<|im_start|>assistant\n"
+)
+WITHOUT = "<|im_start|>user\nwhat is two plus three ?<|im_end|>\n<|im_start|>assistant\n"
+KEYS: dict[str, str] = {}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tool-models")
+    out: dict[str, Path] = {}
+    for name, template in ((HERMES, TEMPLATE), (PLAIN, NO_CALLS)):
+        where = root / name.rsplit("/", 1)[1]
+        extra = (START, END, CALL)
+        build_served_model(where, 8.0, 4, where, positions=96, extra=extra)
+        tokenizer = AutoTokenizer.from_pretrained(where)
+        tokenizer.chat_template = template
+        tokenizer.save_pretrained(where)
+        out[name] = where
+    return out
+
+
+@pytest.fixture(scope="module")
+def live(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    path = tmp_path_factory.mktemp("keys") / "keys.toml"
+    KEYS.update(write_keys(path, (), ("alice",)))
+    storage = tmp_path_factory.mktemp("tools-storage")
+    with serve_in_thread(storage, models, keys=KeyRing(path)) as server:
+        yield server
+
+
+def ids(models: dict[str, Path], text: str) -> list[int]:
+    tokenizer = AutoTokenizer.from_pretrained(models[HERMES])
+    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+
+
+@pytest.fixture(scope="module")
+def caller(live: LiveServer, models: dict[str, Path]) -> str:
+    """A sampler checkpoint that answers "two", then calls `add` (after the prompt with tools,
+    and after the one without): LoRA trained with cross entropy through the Tinker routes."""
+    answer = [TWO, TC, CALL_ID, ETC, EOS]
+    data = [th.datum(ids(models, text) + answer) for text in (WITH_TOOLS, WITHOUT)]
+    with completions.tinker(live, "alice", KEYS) as http:
+        session = th.new_session(http)
+        body = {"session_id": session, "model_seq_id": 0, "base_model": HERMES}
+        body["lora_config"] = {"rank": 8, "seed": 0}
+        model_id = th.ok(http, "/create_model", body)["model_id"]
+        fb = {
+            "model_id": model_id,
+            "forward_backward_input": {"data": data, "loss_fn": "cross_entropy"},
+        }
+        for _ in range(30):
+            th.ok(http, "/forward_backward", fb)
+            th.ok(http, "/optim_step", th.optim_body(model_id, lr=1e-2))
+        saved = th.ok(http, "/save_weights_for_sampler", {"model_id": model_id, "path": "caller"})
+    return str(saved["path"])
+
+
+def chat(live: LiveServer, status: int = 200, **body: Any) -> dict[str, Any]:
+    with completions.inference(live, "alice", KEYS) as http:
+        response = http.post(ROUTE, json={"max_tokens": 8, "temperature": 0, **body})
+    assert response.status_code == status, response.text
+    out: dict[str, Any] = response.json()
+    return out
+
+
+def reference_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """The test's own reading of a completion: the text before the first tag, and each
+    tagged JSON object's name and arguments (re-written as JSON)."""
+    found = re.findall(r"<tool_call>(.*?)</tool_call>", text, flags=re.DOTALL)
+    calls = []
+    for inner in found:
+        call = json.loads(inner)
+        calls.append({"name": call["name"], "arguments": json.dumps(call["arguments"])})
+    head = text.split(START)[0]
+    return (head or None), calls
+
+
+def test_a_called_tool_comes_back_as_tool_calls(
+    live: LiveServer, models: dict[str, Path], caller: str
+) -> None:
+    out = chat(live, model=caller, messages=ASK, tools=TOOLS, return_token_ids=True)
+    assert out["prompt_token_ids"] == ids(models, WITH_TOOLS)  # the tools are in the prompt
+    (choice,) = out["choices"]
+    assert choice["token_ids"][-4:] == [TC, CALL_ID, ETC, EOS], choice  # the model's call
+    tokenizer = AutoTokenizer.from_pretrained(models[HERMES])
+    text = tokenizer.decode(choice["token_ids"], skip_special_tokens=True)
+    head, calls = reference_calls(text)
+    assert calls == [{"name": "add", "arguments": json.dumps({"a": 2, "b": 3})}]
+    message = choice["message"]
+    assert message["role"] == "assistant" and message["content"] == head == "two "
+    got = message["tool_calls"]
+    assert [c["function"] for c in got] == calls
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in got), got
+    assert choice["finish_reason"] == "tool_calls"
+
+
+def test_tool_choice_none_neither_renders_nor_parses(
+    live: LiveServer, models: dict[str, Path], caller: str
+) -> None:
+    """`tool_choice: none`: the conversation as without tools, and the completion all text."""
+    out = chat(
+        live, model=caller, messages=ASK, tools=TOOLS, tool_choice="none", return_token_ids=True
+    )
+    assert out["prompt_token_ids"] == ids(models, WITHOUT)
+    (choice,) = out["choices"]
+    assert choice["token_ids"][-4:] == [TC, CALL_ID, ETC, EOS], choice
+    assert START in choice["message"]["content"] and "tool_calls" not in choice["message"]
+    assert choice["finish_reason"] == "stop"
+
+
+def test_a_conversation_with_calls_and_results_renders_them(
+    live: LiveServer, models: dict[str, Path]
+) -> None:
+    """An assistant turn's `tool_calls` and a `tool` result reach the template as sent."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": {"a": 2}}}
+    messages = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+    ]
+    out = chat(live, model=HERMES, messages=messages, tools=TOOLS, return_token_ids=True)
+    written = (
+        "<|im_start|>system\n<tools>\nadd\n</tools><|im_end|>\n"
+        "<|im_start|>user\nwhat is two plus three ?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n'
+        "</tool_call><|im_end|>\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert out["prompt_token_ids"] == ids(models, written)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": HERMES, "tools": TOOLS, "stream": True}, "stream"),
+        ({"model": HERMES, "tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+        ({"model": HERMES, "tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice"),
+        ({"model": PLAIN, "tools": TOOLS}, "tools"),
+        ({"model": HERMES, "tools": {"add": 1}}, "tools"),
+        ({"model": HERMES, "tools": [{"type": "retrieval"}]}, "tools[0].type"),
+        (
+            {"model": HERMES, "tools": [{"type": "function", "function": {}}]},
+            "tools[0].function.name",
+        ),
+        ({"model": HERMES, "functions": [{"name": "add"}]}, "functions"),
+    ],
+    ids=["stream", "required", "named", "no-format", "not-a-list", "type", "name", "legacy"],
+)
+def test_what_tools_cannot_do_is_a_400_naming_it(
+    live: LiveServer, body: dict[str, Any], param: str
+) -> None:
+    error = chat(live, 400, messages=ASK, **body)["error"]
+    assert error["param"] == param, error
+
+
+def test_the_sdk_and_the_cookbooks_probe_read_tool_calls(
+    live: LiveServer,
+    models: dict[str, Path],
+    caller: str,
+    fw_python_latest: Path,
+    cookbook_py: Path,
+    cookbook: Path,
+) -> None:
+    """`Fireworks().chat.completions.create(tools=...)` parses the call into its typed
+    `tool_calls`; the cookbook's renderer probe (`_call_completion`, which sends tools) gets
+    the prompt the tools are written into."""
+    import subprocess
+
+    sdk = (
+        "import json, sys\n"
+        "from fireworks import Fireworks\n"
+        "url, key, model, messages, tools = sys.argv[1:]\n"
+        "client = Fireworks(api_key=key, base_url=url)\n"
+        "r = client.chat.completions.create(model=model, messages=json.loads(messages),"
+        " tools=json.loads(tools), max_tokens=8, temperature=0)\n"
+        "(c,) = r.choices\n"
+        "calls = [[t.id, t.type, t.function.name, t.function.arguments]"
+        " for t in c.message.tool_calls or []]\n"
+        "print(json.dumps({'calls': calls, 'content': c.message.content,"
+        " 'finish': c.finish_reason}))\n"
+    )
+    probe = (
+        "import json, sys\n"
+        "from fireworks import Fireworks\n"
+        "from training.renderer.verifier.utils.probe import _call_completion\n"
+        "url, key, model, messages, tools = sys.argv[1:]\n"
+        "client = Fireworks(api_key=key, base_url=url)\n"
+        "out = _call_completion(client, model=model, messages=json.loads(messages),"
+        " tools=json.loads(tools), max_tokens=8, temperature=0.0, extra_kwargs=None)\n"
+        "print(json.dumps(out['prompt_token_ids']))\n"
+    )
+    argv = [live.url, KEYS["alice"], caller, json.dumps(ASK), json.dumps(TOOLS)]
+    outs = []
+    for python, script, cwd in ((fw_python_latest, sdk, None), (cookbook_py, probe, cookbook)):
+        done = subprocess.run(
+            [str(python), "-c", script, *argv],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=cwd,
+            env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        outs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    typed, prompt = outs
+    ((call_id, kind, name, arguments),) = typed["calls"]
+    assert call_id.startswith("call_") and kind == "function" and name == "add"
+    assert json.loads(arguments) == {"a": 2, "b": 3}
+    assert typed["content"] == "two " and typed["finish"] == "tool_calls"
+    assert prompt == ids(models, WITH_TOOLS)
