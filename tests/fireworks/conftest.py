@@ -12,7 +12,9 @@ pointing at the worker, and returns the JSON object it prints last.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -108,3 +110,19 @@ def run_fw(
 ) -> dict[str, Any]:
     """Run `python argv...` against `server`; the JSON object on its last stdout line."""
     return run_json(python, argv, fw_env(server, api_key, **env), timeout, REPO)
+
+
+def run_inline(python: Path, script: str, argv: list[str], cwd: Path | None = None) -> Any:
+    """Run a venv's `python -c script argv...` offline, with only the system PATH (no key or
+    URL from this process's environment: the script takes them from `argv`); the JSON value
+    on its last stdout line."""
+    done = subprocess.run(
+        [str(python), "-c", script, *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

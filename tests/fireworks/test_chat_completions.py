@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.api.conftest import LiveServer, serve_in_thread
 from tests.api.team_helpers import write_keys
 from tests.fireworks import test_completions as completions
-from tests.fireworks.conftest import SCRIPTS, run_fw
+from tests.fireworks.conftest import SCRIPTS, run_fw, run_inline
 from tests.fireworks.test_completions import events, trained_checkpoint
 from tests.tinker.conftest import build_served_model
 from trainer.api.keys import KeyRing
@@ -402,8 +402,6 @@ def test_the_cookbooks_renderer_probe_reads_the_chat_answer(
     and token ids (`training/renderer/verifier/utils/probe.py: _call_completion`, run unchanged
     with the SDK's client): it gets the rendered prompt's ids, and the completion's once it
     strips the echoed prompt as it does."""
-    import subprocess
-
     prompt = written_ids(chat_models[QWEN])
     expected, _ = greedy(chat_models[QWEN], prompt, 6)
     script = (
@@ -418,16 +416,7 @@ def test_the_cookbooks_renderer_probe_reads_the_chat_answer(
         "print(json.dumps(out))\n"
     )
     argv = [live.url, KEYS["alice"], QWEN, json.dumps(MESSAGES)]
-    done = subprocess.run(
-        [str(cookbook_py), "-c", script, *argv],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=cookbook,
-        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = run_inline(cookbook_py, script, argv, cookbook)
     assert out["prompt_token_ids"] == prompt
     assert out["completion_token_ids"] == prompt + expected  # echoed, as the probe expects
     assert out["stop_reason"] == "length"

@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 from tests.api.conftest import LiveServer, serve_in_thread
 from tests.api.team_helpers import write_keys
 from tests.fireworks import test_completions as completions
+from tests.fireworks.conftest import run_inline
 from tests.tinker import tinker_http as th
 from tests.tinker.conftest import VOCAB, build_served_model
 from trainer.api.keys import KeyRing
@@ -223,8 +224,6 @@ def test_the_sdk_and_the_cookbooks_probe_read_tool_calls(
     """`Fireworks().chat.completions.create(tools=...)` parses the call into its typed
     `tool_calls`; the cookbook's renderer probe (`_call_completion`, which sends tools) gets
     the prompt the tools are written into."""
-    import subprocess
-
     sdk = (
         "import json, sys\n"
         "from fireworks import Fireworks\n"
@@ -249,19 +248,8 @@ def test_the_sdk_and_the_cookbooks_probe_read_tool_calls(
         "print(json.dumps(out['prompt_token_ids']))\n"
     )
     argv = [live.url, KEYS["alice"], caller, json.dumps(ASK), json.dumps(TOOLS)]
-    outs = []
-    for python, script, cwd in ((fw_python_latest, sdk, None), (cookbook_py, probe, cookbook)):
-        done = subprocess.run(
-            [str(python), "-c", script, *argv],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=cwd,
-            env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        outs.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    typed, prompt = outs
+    typed = run_inline(fw_python_latest, sdk, argv)
+    prompt = run_inline(cookbook_py, probe, argv, cookbook)
     ((call_id, kind, name, arguments),) = typed["calls"]
     assert call_id.startswith("call_") and kind == "function" and name == "add"
     assert json.loads(arguments) == {"a": 2, "b": 3}

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.api.conftest import LiveServer, serve_in_thread
 from tests.api.team_helpers import write_keys
-from tests.fireworks.conftest import LLAMA, QWEN
+from tests.fireworks.conftest import LLAMA, QWEN, run_inline
 from tests.tinker import tinker_http as th
 from trainer.api.fireworks import completion_run
 from trainer.api.keys import KeyRing
@@ -431,7 +431,6 @@ def test_the_cookbooks_igpo_scorer_reads_the_reference(
     """The cookbook's IGPO turn scorer (`training/utils/rl/igpo.py`:
     `score_prefix_via_inference`, `max_tokens: 0` with echo), run unchanged in its venv, gets
     the reference's mean log P(answer | prefix)."""
-    import subprocess
 
     path, logprobs = checkpoints[QWEN], references[QWEN].logprobs(PROMPT)
     prefix, answer_ids = PROMPT[:4], PROMPT[4:]
@@ -447,13 +446,5 @@ def test_the_cookbooks_igpo_scorer_reads_the_reference(
     )
     argv = [f"{live.url}/inference", path, KEYS["alice"], str(fw_models[QWEN])]
     argv += [json.dumps(prefix), json.dumps(answer_ids)]
-    done = subprocess.run(
-        [str(cookbook_py), "-c", script, *argv],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=cookbook,
-        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert abs(float(done.stdout.strip().splitlines()[-1]) - want) <= TOL, (done.stdout, want)
+    got = run_inline(cookbook_py, script, argv, cookbook)
+    assert abs(float(got) - want) <= TOL, (got, want)
