@@ -20,6 +20,7 @@ import jinja2
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from trainer.api.fireworks.chat_harmony import Harmony
 from trainer.api.fireworks.chat_tools import check_template, parse_calls, parse_tools
 from trainer.api.fireworks.completion_run import Prepared, serve
 from trainer.api.fireworks.completions_wire import (
@@ -41,9 +42,11 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
 IGNORED = ("metadata",)  # accepted and without effect
 REASONING = (
-    "only 'none' (or false; thinking {'type': 'disabled'}) is served, on a model whose chat "
-    "template has an enable_thinking switch: reasoning is not split into reasoning_content here"
+    "only 'none' (or false; thinking {'type': 'disabled'}) on a model whose chat template has an "
+    "enable_thinking switch, and 'low', 'medium' or 'high' on one whose template reads "
+    "reasoning_effort (GPT-OSS), are served"
 )
+EFFORTS = ("low", "medium", "high")
 NOT_SERVED = {
     "functions": "the legacy function fields are not served; send tools",
     "function_call": "the legacy function fields are not served; send tools",
@@ -129,7 +132,7 @@ def parse_chat(raw: dict[str, Any]) -> tuple[CompletionRequest, ChatShape]:
         value = raw.get(name)
         if value is None or (name == "response_format" and value == {"type": "text"}):
             continue
-        if thinking_off(name, value):
+        if thinking_off(name, value) or (name == "reasoning_effort" and value in EFFORTS):
             continue
         raise bad_request(f"{name}: not served: {why}", name)
     if raw.get("reasoning_effort") is not None and raw.get("thinking") is not None:
@@ -168,7 +171,8 @@ def parse_chat(raw: dict[str, Any]) -> tuple[CompletionRequest, ChatShape]:
             raise bad_request(message, "max_completion_tokens") from None
         raise
     off = next((n for n in ("reasoning_effort", "thinking") if thinking_off(n, raw.get(n))), None)
-    return req, ChatShape(messages, asked is not None, bool(token_ids), off, tools)
+    effort = raw.get("reasoning_effort") if raw.get("reasoning_effort") in EFFORTS else None
+    return req, ChatShape(messages, asked is not None, bool(token_ids), off, tools, effort)
 
 
 def thinking_off(name: str, value: Any) -> bool:
@@ -194,8 +198,11 @@ class ChatShape:
         token_ids: bool,
         no_thinking: str | None,
         tools: list[dict[str, Any]] | None = None,
+        effort: str | None = None,
     ) -> None:
         self.messages = messages
+        self.effort = effort  # the template's `reasoning_effort` (GPT-OSS's)
+        self.harmony: Harmony | None = None  # the model's channels, when it writes them
         self.tools = tools  # offered: rendered by the template, calls parsed (`chat_tools`)
         self.max_given = max_given  # otherwise the rest of the context after the prompt
         self.token_ids = token_ids
@@ -223,6 +230,17 @@ class ChatShape:
         if self.tools is not None:
             check_template(tokenizer, entry.name)
             switch["tools"] = self.tools
+        if self.effort is not None:
+            if "reasoning_effort" not in str(tokenizer.chat_template):
+                raise bad_request(f"reasoning_effort: not served: {REASONING}", "reasoning_effort")
+            switch["reasoning_effort"] = self.effort
+        self.harmony = Harmony.of(tokenizer, entry.name)
+        if self.harmony is not None and req.stream:
+            raise bad_request(
+                f"stream: {entry.name} replies in channels, split into reasoning_content and "
+                "content from a whole completion; send stream false",
+                "stream",
+            )
         try:
             self.rendered = str(
                 tokenizer.apply_chat_template(
@@ -271,6 +289,14 @@ class ChatShape:
 
     def choice(self, ready: Prepared, group: dict[str, Any], i: int) -> dict[str, Any]:
         seq = group["sequences"][i]
+        reply = None
+        if self.harmony is not None:
+            reply = self.harmony.split([int(t) for t in seq["tokens"]], ready.tokens.text)
+        if reply is not None:
+            echoed = ready.tokens.text(ready.req.echoed(ready.prompt))
+            said = echoed + (reply.content or "") if echoed else reply.content
+            split = {"role": "assistant", "content": said, "reasoning_content": reply.reasoning}
+            return {"index": i, "message": split, **self._tail(ready, group, seq)}
         if self.tools is None:
             text = full_text(ready.req, ready.tokens, ready.prompt, seq)
             plain = {"role": "assistant", "content": text}

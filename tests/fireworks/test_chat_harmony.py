@@ -1,0 +1,145 @@
+"""Replies in channels (harmony, GPT-OSS's format) on `POST /inference/v1/chat/completions`
+(docs/semantics.md §25a): a tiny model whose tokenizer has harmony's structural tokens as
+special tokens and whose template writes channels, its LoRA adapter trained through the Tinker
+routes to reason in `analysis` and answer in `final`. Its greedy reply comes back split:
+`reasoning_content` and `content`, each the text of its channel's tokens as the test reads
+them from the completion's token ids; and `reasoning_effort` reaches its template."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer, GenerationConfig
+
+from tests.api.conftest import LiveServer, serve_in_thread
+from tests.api.team_helpers import write_keys
+from tests.fireworks import test_completions as completions
+from tests.tinker import tinker_http as th
+from tests.tinker.conftest import VOCAB, build_served_model
+from trainer.api.keys import KeyRing
+
+pytestmark = pytest.mark.fireworks
+
+MODEL = "accounts/fireworks/models/harmony-tiny"
+ROUTE = "/inference/v1/chat/completions"
+MARKS = ("<|channel|>", "<|message|>", "<|start|>", "<|end|>", "<|return|>", "<|call|>")
+EXTRA = (*MARKS, "analysis", "final")
+CH, MSG, START, END, RETURN, _CALL, ANALYSIS, FINAL = range(len(VOCAB), len(VOCAB) + len(EXTRA))
+TEMPLATE = (
+    "{% if reasoning_effort is defined %}<|start|>system<|message|>{{ reasoning_effort }}"
+    "<|end|>{% endif %}{% for m in messages %}{% if m['role'] == 'assistant' %}"
+    "<|start|>assistant<|channel|>final<|message|>{{ m['content'] }}<|end|>{% else %}"
+    "<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+ASK = [{"role": "user", "content": "what is two plus three ?"}]
+WRITTEN = "<|start|>user<|message|>what is two plus three ?<|end|><|start|>assistant"
+WORD = {w: VOCAB.index(w) for w in ("two", "plus", "three", "five", "assistant")}
+REPLY = [
+    *(CH, ANALYSIS, MSG, WORD["two"], WORD["plus"], WORD["three"], END),
+    *(START, WORD["assistant"], CH, FINAL, MSG, WORD["five"], RETURN),
+]
+KEYS: dict[str, str] = {}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Harmony's structural tokens special (decoding skips them, as GPT-OSS's tokenizer
+    does), and `<|return|>` an end of sequence, as in GPT-OSS's generation config."""
+    where = tmp_path_factory.mktemp("harmony")
+    build_served_model(where, 8.0, 5, where, positions=96, extra=EXTRA)
+    tokenizer = AutoTokenizer.from_pretrained(where)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(MARKS)})
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(where)
+    GenerationConfig(eos_token_id=[1, RETURN], pad_token_id=0).save_pretrained(where)
+    return where
+
+
+@pytest.fixture(scope="module")
+def live(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    path = tmp_path_factory.mktemp("keys") / "keys.toml"
+    KEYS.update(write_keys(path, (), ("alice",)))
+    storage = tmp_path_factory.mktemp("harmony-storage")
+    with serve_in_thread(storage, {MODEL: model_dir}, keys=KeyRing(path)) as server:
+        yield server
+
+
+def ids(model_dir: Path, text: str) -> list[int]:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+
+
+@pytest.fixture(scope="module")
+def reasoner(live: LiveServer, model_dir: Path) -> str:
+    """A sampler checkpoint that reasons "two plus three", then answers "five"."""
+    data = [th.datum(ids(model_dir, WRITTEN) + REPLY)]
+    with completions.tinker(live, "alice", KEYS) as http:
+        session = th.new_session(http)
+        body = {"session_id": session, "model_seq_id": 0, "base_model": MODEL}
+        body["lora_config"] = {"rank": 8, "seed": 0}
+        model_id = th.ok(http, "/create_model", body)["model_id"]
+        fb = {"data": data, "loss_fn": "cross_entropy"}
+        for _ in range(30):
+            th.ok(http, "/forward_backward", {"model_id": model_id, "forward_backward_input": fb})
+            th.ok(http, "/optim_step", th.optim_body(model_id, lr=1e-2))
+        saved = th.ok(http, "/save_weights_for_sampler", {"model_id": model_id, "path": "r"})
+    return str(saved["path"])
+
+
+def chat(live: LiveServer, status: int = 200, **body: Any) -> dict[str, Any]:
+    with completions.inference(live, "alice", KEYS) as http:
+        response = http.post(ROUTE, json={"max_tokens": 24, "temperature": 0, **body})
+    assert response.status_code == status, response.text
+    out: dict[str, Any] = response.json()
+    return out
+
+
+def test_a_reply_in_channels_is_split(live: LiveServer, model_dir: Path, reasoner: str) -> None:
+    out = chat(live, model=reasoner, messages=ASK, return_token_ids=True)
+    assert out["prompt_token_ids"] == ids(model_dir, WRITTEN)
+    (choice,) = out["choices"]
+    assert choice["token_ids"] == REPLY, choice  # the model's own reply, to its end
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # the test's reading: each channel's text is the decoding of the tokens of its message
+    analysis = tokenizer.decode(REPLY[3:6], skip_special_tokens=True)
+    final = tokenizer.decode(REPLY[12:13], skip_special_tokens=True)
+    assert (analysis, final) == ("two plus three", "five")
+    message = choice["message"]
+    assert message == {"role": "assistant", "content": final, "reasoning_content": analysis}
+    assert choice["finish_reason"] == "stop"
+    # decoded whole with its special tokens skipped, the reply would run the two together
+    assert tokenizer.decode(REPLY, skip_special_tokens=True) != final
+
+
+def test_a_reply_cut_short_keeps_what_it_reasoned(live: LiveServer, reasoner: str) -> None:
+    out = chat(live, model=reasoner, messages=ASK, max_tokens=5)
+    (choice,) = out["choices"]
+    assert choice["message"]["reasoning_content"] == "two plus"
+    assert choice["message"]["content"] is None and choice["finish_reason"] == "length"
+
+
+def test_reasoning_effort_reaches_the_template(live: LiveServer, model_dir: Path) -> None:
+    out = chat(live, model=MODEL, messages=ASK, reasoning_effort="high", return_token_ids=True)
+    written = "<|start|>system<|message|>high<|end|>" + WRITTEN
+    assert out["prompt_token_ids"] == ids(model_dir, written)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"stream": True}, "stream"),
+        ({"reasoning_effort": "none"}, "reasoning_effort"),  # no enable_thinking switch
+        ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ],
+    ids=["stream", "none", "unknown-effort", "tools"],
+)
+def test_what_a_harmony_chat_cannot_do_is_a_400(
+    live: LiveServer, body: dict[str, Any], param: str
+) -> None:
+    error = chat(live, 400, model=MODEL, messages=ASK, **body)["error"]
+    assert error["param"] == param, error
