@@ -28,6 +28,7 @@ pytestmark = pytest.mark.fireworks
 
 HERMES = "accounts/fireworks/models/qwen3-tools"
 PLAIN = "accounts/fireworks/models/qwen3-no-tools"  # a template that writes no calls
+XML = "accounts/fireworks/models/qwen35-tools"  # Qwen3.5's way: <function=...> XML
 ROUTE = "/inference/v1/chat/completions"
 START, END = "<tool_call>", "</tool_call>"
 CALL = '{"name": "add", "arguments": {"a": 2, "b": 3}}'
@@ -42,6 +43,15 @@ TEMPLATE = (
     "<tool_call>\n{{ c['function'] | tojson }}\n</tool_call>{% endfor %}{% endif %}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+XML_TEMPLATE = TEMPLATE.replace(
+    "<tool_call>\n{{ c['function'] | tojson }}\n</tool_call>",
+    "<tool_call>\n<function={{ c['function']['name'] }}>\n"
+    "{% for k, v in c['function']['arguments'].items() %}<parameter={{ k }}>\n{{ v }}\n"
+    "</parameter>\n{% endfor %}</function>\n</tool_call>",
+)
+XML_TAGS = (START, END, "<function=add>", "</function>", "<parameter=a>", "<parameter=b>")
+XML_TAGS += ("</parameter>",)
+X_START, X_END, X_FN, X_EFN, X_A, X_B, X_EP = range(len(VOCAB), len(VOCAB) + len(XML_TAGS))
 NO_CALLS = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -52,7 +62,10 @@ TOOLS = [
         "function": {
             "name": "add",
             "description": "a plus b",
-            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}},
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "number"}},
+            },
         },
     }
 ]
@@ -69,9 +82,13 @@ KEYS: dict[str, str] = {}
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tool-models")
     out: dict[str, Path] = {}
-    for name, template in ((HERMES, TEMPLATE), (PLAIN, NO_CALLS)):
+    hermes = (START, END, CALL)
+    for name, template, extra in (
+        (HERMES, TEMPLATE, hermes),
+        (PLAIN, NO_CALLS, hermes),
+        (XML, XML_TEMPLATE, XML_TAGS),
+    ):
         where = root / name.rsplit("/", 1)[1]
-        extra = (START, END, CALL)
         build_served_model(where, 8.0, 4, where, positions=96, extra=extra)
         tokenizer = AutoTokenizer.from_pretrained(where)
         tokenizer.chat_template = template
@@ -89,20 +106,17 @@ def live(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> I
         yield server
 
 
-def ids(models: dict[str, Path], text: str) -> list[int]:
-    tokenizer = AutoTokenizer.from_pretrained(models[HERMES])
+def ids(models: dict[str, Path], text: str, model: str = HERMES) -> list[int]:
+    tokenizer = AutoTokenizer.from_pretrained(models[model])
     return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
 
 
-@pytest.fixture(scope="module")
-def caller(live: LiveServer, models: dict[str, Path]) -> str:
-    """A sampler checkpoint that answers "two", then calls `add` (after the prompt with tools,
-    and after the one without): LoRA trained with cross entropy through the Tinker routes."""
-    answer = [TWO, TC, CALL_ID, ETC, EOS]
-    data = [th.datum(ids(models, text) + answer) for text in (WITH_TOOLS, WITHOUT)]
+def trained(live: LiveServer, base: str, data: list[dict[str, Any]], name: str) -> str:
+    """A LoRA sampler checkpoint of `base` trained with cross entropy on `data` through the
+    Tinker routes until it says it greedily: its tinker path."""
     with completions.tinker(live, "alice", KEYS) as http:
         session = th.new_session(http)
-        body = {"session_id": session, "model_seq_id": 0, "base_model": HERMES}
+        body = {"session_id": session, "model_seq_id": 0, "base_model": base}
         body["lora_config"] = {"rank": 8, "seed": 0}
         model_id = th.ok(http, "/create_model", body)["model_id"]
         fb = {
@@ -112,8 +126,17 @@ def caller(live: LiveServer, models: dict[str, Path]) -> str:
         for _ in range(30):
             th.ok(http, "/forward_backward", fb)
             th.ok(http, "/optim_step", th.optim_body(model_id, lr=1e-2))
-        saved = th.ok(http, "/save_weights_for_sampler", {"model_id": model_id, "path": "caller"})
+        saved = th.ok(http, "/save_weights_for_sampler", {"model_id": model_id, "path": name})
     return str(saved["path"])
+
+
+@pytest.fixture(scope="module")
+def caller(live: LiveServer, models: dict[str, Path]) -> str:
+    """A sampler checkpoint that answers "two", then calls `add` (after the prompt with tools,
+    and after the one without)."""
+    answer = [TWO, TC, CALL_ID, ETC, EOS]
+    data = [th.datum(ids(models, text) + answer) for text in (WITH_TOOLS, WITHOUT)]
+    return trained(live, HERMES, data, "caller")
 
 
 def chat(live: LiveServer, status: int = 200, **body: Any) -> dict[str, Any]:
@@ -255,3 +278,75 @@ def test_the_sdk_and_the_cookbooks_probe_read_tool_calls(
     assert json.loads(arguments) == {"a": 2, "b": 3}
     assert typed["content"] == "two " and typed["finish"] == "tool_calls"
     assert prompt == ids(models, WITH_TOOLS)
+
+
+def test_an_xml_call_comes_back_typed_by_the_schema(
+    live: LiveServer, models: dict[str, Path]
+) -> None:
+    """Qwen3.5's form: `<function=add>` with one `<parameter=...>` per argument, each value
+    typed by the tool's schema (`a` an integer, `b` a number that is whole)."""
+    three, two_ = VOCAB.index("3"), VOCAB.index("2")
+    call = [X_START, X_FN, X_A, two_, X_EP, X_B, three, X_EP, X_EFN, X_END]
+    prompt = ids(models, WITH_TOOLS, XML)
+    answer = trained(live, XML, [th.datum([*prompt, TWO, *call, EOS])], "xml")
+    out = chat(live, model=answer, messages=ASK, tools=TOOLS, return_token_ids=True, max_tokens=16)
+    assert out["prompt_token_ids"] == prompt
+    (choice,) = out["choices"]
+    assert choice["token_ids"] == [TWO, *call, EOS], choice
+    text = AutoTokenizer.from_pretrained(models[XML]).decode(choice["token_ids"])
+    # the test's reading: the function's name, and each parameter's text as its schema types it
+    (name,) = re.findall(r"<function=(\w+)>", text)
+    found = dict(re.findall(r"<parameter=(\w+)>(.*?)</parameter>", text, flags=re.DOTALL))
+    typed = {"a": int(found["a"]), "b": float(found["b"])}
+    assert typed == {"a": 2, "b": 3.0}
+    (got,) = choice["message"]["tool_calls"]
+    assert got["function"] == {"name": name, "arguments": json.dumps({"a": 2, "b": 3})}
+    assert choice["message"]["content"] == "two " and choice["finish_reason"] == "tool_calls"
+
+
+SCHEMA_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "f",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "i": {"type": "integer"},
+                "x": {"type": "number"},
+                "ok": {"type": "boolean"},
+                "obj": {"type": "object"},
+                "s": {"type": "string"},
+            },
+        },
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "want"),
+    [
+        ("i", "\n7\n", 7),
+        ("i", "seven", "seven"),  # not an integer: stays text
+        ("x", "2.5", 2.5),
+        ("x", "4.0", 4),
+        ("x", "inf", "inf"),  # JSON has no infinity
+        ("ok", "True", True),
+        ("ok", "no", False),
+        ("obj", '{"k": [1, 2]}', {"k": [1, 2]}),
+        ("obj", "{'k': 1}", {"k": 1}),  # a Python literal
+        ("obj", "{k", "{k"),
+        ("s", "\n\nline\n", "\nline"),  # one newline trimmed from each end
+        ("s", "null", None),
+        ("other", "5", "5"),  # a key the schema lacks stays text
+    ],
+)
+def test_xml_values_are_typed_by_the_schema(key: str, value: str, want: Any) -> None:
+    from trainer.api.fireworks.chat_tools import XML as FORM
+    from trainer.api.fireworks.chat_tools import parse_calls
+
+    text = f"ok <tool_call>\n<function=f>\n<parameter={key}>{value}</parameter>\n</function>\n"
+    parsed = parse_calls(text + "</tool_call>", FORM, [SCHEMA_TOOL])
+    assert parsed.content == "ok "
+    (call,) = parsed.calls
+    assert call["function"]["name"] == "f"
+    assert json.loads(call["function"]["arguments"]) == {key: want}

@@ -21,7 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from trainer.api.fireworks.chat_harmony import Harmony
-from trainer.api.fireworks.chat_tools import check_template, parse_calls, parse_tools
+from trainer.api.fireworks.chat_tools import HERMES, check_template, parse_calls, parse_tools
 from trainer.api.fireworks.completion_run import Prepared, serve
 from trainer.api.fireworks.completions_wire import (
     CompletionRequest,
@@ -204,6 +204,7 @@ class ChatShape:
         self.effort = effort  # the template's `reasoning_effort` (GPT-OSS's)
         self.harmony: Harmony | None = None  # the model's channels, when it writes them
         self.tools = tools  # offered: rendered by the template, calls parsed (`chat_tools`)
+        self.call_form = HERMES  # how the template writes calls (`chat_tools.check_template`)
         self.max_given = max_given  # otherwise the rest of the context after the prompt
         self.token_ids = token_ids
         self.no_thinking = no_thinking  # the field that turned the template's switch off
@@ -228,7 +229,7 @@ class ChatShape:
                 )
             switch[SWITCH] = False
         if self.tools is not None:
-            check_template(tokenizer, entry.name)
+            self.call_form = check_template(tokenizer, entry.name)
             switch["tools"] = self.tools
         if self.effort is not None:
             if "reasoning_effort" not in str(tokenizer.chat_template):
@@ -302,7 +303,8 @@ class ChatShape:
             plain = {"role": "assistant", "content": text}
             return {"index": i, "message": plain, **self._tail(ready, group, seq)}
         echoed = ready.tokens.text(ready.req.echoed(ready.prompt))
-        parsed = parse_calls(ready.tokens.text([int(t) for t in seq["tokens"]]))
+        completion = ready.tokens.text([int(t) for t in seq["tokens"]])
+        parsed = parse_calls(completion, self.call_form, self.tools)
         content = echoed + (parsed.content or "") if echoed else parsed.content
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if parsed.calls:

@@ -1,19 +1,27 @@
 """Tools on the chat route (docs/semantics.md §25a): the `tools` a request offers, rendered by
 the model's own chat template, and the calls parsed back out of each completion.
 
-One call format is parsed: Hermes-style, as Qwen2.5 and Qwen3 templates write it, each call a
-JSON object `{"name": ..., "arguments": ...}` between `<tool_call>` and `</tool_call>`. A
-template that writes its calls otherwise (Qwen3.5's and Qwen3-Coder's `<function=...>` XML,
-Llama's bare JSON, Mistral's `[TOOL_CALLS]`) or none at all is refused when tools are offered,
-so a call is never left unparsed in `content` as if it were text. Parsing follows vLLM's
-`hermes` parser: the content is the text before the first call (none when that is empty), each
-call's arguments are written back as JSON, and a completion whose calls do not all parse as
-JSON objects with a name is all content, as if it called nothing.
+Two call formats are parsed, told apart by what the template writes:
+- *Hermes* (Qwen2.5, Qwen3): each call a JSON object `{"name": ..., "arguments": ...}` between
+  `<tool_call>` and `</tool_call>`, read as vLLM's `hermes` parser reads it: a completion whose
+  calls do not all parse as JSON objects with a name and arguments is all content, as if it
+  called nothing;
+- *XML* (Qwen3.5, Qwen3-Coder): `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>
+  ...</function></tool_call>`, read as vLLM's `qwen3_coder` parser reads it: one newline
+  trimmed from each end of a value, which is then typed by the tool's JSON Schema (`null` is
+  null; integer, number and boolean types convert when they can; object and array types parse
+  as JSON, else as a Python literal; anything else, or a key the schema lacks, stays text).
+Either way the content is the text before the first call (none when that is empty), and each
+call's arguments are written as JSON. A template that writes its calls otherwise (Llama's bare
+JSON, Mistral's `[TOOL_CALLS]`, harmony's channels) or none at all is refused when tools are
+offered, so a call is never left unparsed in `content` as if it were text.
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import math
 import re
 import uuid
 from dataclasses import dataclass
@@ -24,6 +32,12 @@ from trainer.serving.errors import bad_request
 START, END = "<tool_call>", "</tool_call>"
 XML_CALLS = "<function="  # Qwen3.5 / Qwen3-Coder's parameter-by-parameter calls
 CALLS = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+FUNCTIONS = re.compile(r"<function=(.*?)</function>|<function=(.*)$", re.DOTALL)
+PARAMETERS = re.compile(
+    r"<parameter=(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.DOTALL
+)
+HERMES, XML = "hermes", "xml"
+TEXT_TYPES = ("string", "str", "text", "varchar", "char", "enum")
 CHOICES = ("auto", "none")
 
 
@@ -71,15 +85,15 @@ def parse_tools(raw: dict[str, Any]) -> list[dict[str, Any]] | None:
     return tools
 
 
-def check_template(tokenizer: Any, model: str) -> None:
-    """A 400 naming `tools` unless the model's chat template writes Hermes-style calls and
-    its tokenizer decodes their tags as text (a tag it drops as a special token would leave
-    the calls unfound)."""
+def check_template(tokenizer: Any, model: str) -> str:
+    """The call format the model's chat template writes (`HERMES` or `XML`); a 400 naming
+    `tools` when it writes neither, or its tokenizer drops the tags from decoded text (a tag
+    it drops as a special token would leave the calls unfound)."""
     text = str(tokenizer.chat_template)
-    if START not in text or XML_CALLS in text:
+    if START not in text:
         raise bad_request(
-            f"tools: the chat template of {model} does not write tool calls as "
-            "<tool_call>{JSON}</tool_call>, the one format this worker parses",
+            f"tools: the chat template of {model} does not write tool calls between "
+            "<tool_call> tags, as the formats this worker parses do",
             "tools",
         )
     for tag in (START, END):
@@ -90,10 +104,14 @@ def check_template(tokenizer: Any, model: str) -> None:
                 "token), so its tool calls cannot be parsed",
                 "tools",
             )
+    return XML if XML_CALLS in text else HERMES
 
 
-def parse_calls(text: str) -> Parsed:
-    """The message of a completion `text` that may call tools (the module docstring)."""
+def parse_calls(text: str, form: str = HERMES, tools: list[dict[str, Any]] | None = None) -> Parsed:
+    """The message of a completion `text` whose calls are written in `form` (the module
+    docstring); `tools` type the XML form's values."""
+    if form == XML:
+        return _xml_calls(text, tools or [])
     start = text.find(START)
     if start < 0:
         return Parsed(text, [])
@@ -107,12 +125,76 @@ def parse_calls(text: str) -> Parsed:
             return Parsed(text, [])
         if "arguments" not in call:
             return Parsed(text, [])
-        arguments = json.dumps(call["arguments"], ensure_ascii=False)
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {"name": call["name"], "arguments": arguments},
-            }
-        )
+        calls.append(_call(call["name"], call["arguments"]))
     return Parsed(text[:start] or None, calls)
+
+
+def _call(name: str, arguments: Any) -> dict[str, Any]:
+    arguments_json = json.dumps(arguments, ensure_ascii=False)
+    function = {"name": name, "arguments": arguments_json}
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": function}
+
+
+def _xml_calls(text: str, tools: list[dict[str, Any]]) -> Parsed:
+    if XML_CALLS not in text:
+        return Parsed(text, [])
+    blocks = [closed or open_ended for closed, open_ended in CALLS.findall(text)] or [text]
+    functions = [f or g for block in blocks for f, g in FUNCTIONS.findall(block)]
+    calls = []
+    for function in functions:
+        if ">" not in function:
+            continue
+        name, _, body = function.partition(">")
+        schema = _properties(tools, name)
+        arguments = {}
+        for found in PARAMETERS.findall(body):
+            key, _, value = found.partition(">")
+            value = value.removeprefix("\n").removesuffix("\n")
+            arguments[key] = _typed(value, schema.get(key))
+        calls.append(_call(name, arguments))
+    if not calls:
+        return Parsed(text, [])
+    start = text.find(START)
+    start = start if start >= 0 else text.find(XML_CALLS)
+    return Parsed(text[:start] or None, calls)
+
+
+def _properties(tools: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """The JSON Schema properties of the offered tool `name` ({} when none is offered)."""
+    for tool in tools:
+        function = tool.get("function") or {}
+        if function.get("name") == name:
+            properties = (function.get("parameters") or {}).get("properties")
+            return properties if isinstance(properties, dict) else {}
+    return {}
+
+
+def _typed(value: str, schema: Any) -> Any:
+    """An XML parameter's text as its schema's type says, where it converts."""
+    if value.lower() == "null":
+        return None
+    kind = str(schema.get("type", "string") if isinstance(schema, dict) else "string")
+    kind = kind.strip().lower()
+    if schema is None or kind in TEXT_TYPES:
+        return value
+    try:
+        if kind.startswith(("int", "uint", "long", "short", "unsigned")):
+            return int(value)
+        if kind.startswith(("num", "float")):
+            number = float(value)
+            if not math.isfinite(number):  # JSON has no infinity
+                return value
+            return int(number) if number.is_integer() else number
+    except ValueError:
+        return value
+    if kind in ("boolean", "bool", "binary"):
+        return value.lower() == "true"
+    if kind in ("object", "array", "arr") or kind.startswith(("dict", "list")):
+        try:
+            return json.loads(value)
+        except ValueError:
+            pass
+    try:
+        return ast.literal_eval(value)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return value
