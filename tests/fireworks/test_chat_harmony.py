@@ -131,15 +131,31 @@ def test_reasoning_effort_reaches_the_template(live: LiveServer, model_dir: Path
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"stream": True}, "stream"),
         ({"reasoning_effort": "none"}, "reasoning_effort"),  # no enable_thinking switch
         ({"reasoning_effort": "extreme"}, "reasoning_effort"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ],
-    ids=["stream", "none", "unknown-effort", "tools"],
+    ids=["none", "unknown-effort", "tools"],
 )
 def test_what_a_harmony_chat_cannot_do_is_a_400(
     live: LiveServer, body: dict[str, Any], param: str
 ) -> None:
     error = chat(live, 400, model=MODEL, messages=ASK, **body)["error"]
     assert error["param"] == param, error
+
+
+@pytest.mark.parametrize("max_tokens", [24, 5])
+def test_a_streamed_reply_adds_up_to_the_whole_answer(
+    live: LiveServer, reasoner: str, max_tokens: int
+) -> None:
+    """Reasoning and content deltas as each channel grows: together, the whole answer's
+    message (whole, and cut short inside the reasoning)."""
+    body = {"model": reasoner, "messages": ASK, "max_tokens": max_tokens}
+    whole = chat(live, **body)["choices"][0]
+    with completions.inference(live, "alice", KEYS) as http:
+        response = http.post(ROUTE, json={"temperature": 0, **body, "stream": True})
+    assert response.status_code == 200, response.text
+    message, finish, chunks = completions.chat_message(response)
+    want = {k: v for k, v in whole["message"].items() if v is not None}
+    assert message == want and finish == whole["finish_reason"], (message, whole)
+    assert chunks > 2  # it streamed, not one chunk at the end

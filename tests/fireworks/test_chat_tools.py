@@ -147,6 +147,15 @@ def chat(live: LiveServer, status: int = 200, **body: Any) -> dict[str, Any]:
     return out
 
 
+def streamed(live: LiveServer, **body: Any) -> dict[str, Any]:
+    with completions.inference(live, "alice", KEYS) as http:
+        body = {"max_tokens": 8, "temperature": 0, **body, "stream": True}
+        response = http.post(ROUTE, json=body)
+    assert response.status_code == 200, response.text
+    message, finish, _ = completions.chat_message(response)
+    return {"message": message, "finish_reason": finish}
+
+
 def reference_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """The test's own reading of a completion: the text before the first tag, and each
     tagged JSON object's name and arguments (re-written as JSON)."""
@@ -215,7 +224,6 @@ def test_a_conversation_with_calls_and_results_renders_them(
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"model": HERMES, "tools": TOOLS, "stream": True}, "stream"),
         ({"model": HERMES, "tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
         ({"model": HERMES, "tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice"),
         ({"model": PLAIN, "tools": TOOLS}, "tools"),
@@ -227,7 +235,7 @@ def test_a_conversation_with_calls_and_results_renders_them(
         ),
         ({"model": HERMES, "functions": [{"name": "add"}]}, "functions"),
     ],
-    ids=["stream", "required", "named", "no-format", "not-a-list", "type", "name", "legacy"],
+    ids=["required", "named", "no-format", "not-a-list", "type", "name", "legacy"],
 )
 def test_what_tools_cannot_do_is_a_400_naming_it(
     live: LiveServer, body: dict[str, Any], param: str
@@ -350,3 +358,38 @@ def test_xml_values_are_typed_by_the_schema(key: str, value: str, want: Any) -> 
     (call,) = parsed.calls
     assert call["function"]["name"] == "f"
     assert json.loads(call["function"]["arguments"]) == {key: want}
+
+
+def test_a_streamed_call_adds_up_to_the_whole_answer(live: LiveServer, caller: str) -> None:
+    """The content streams until a call may begin; the last chunk has the rest and the calls,
+    numbered by `index`: together, the whole answer's message."""
+    whole = chat(live, model=caller, messages=ASK, tools=TOOLS)["choices"][0]
+    got = streamed(live, model=caller, messages=ASK, tools=TOOLS)
+    assert got["finish_reason"] == whole["finish_reason"] == "tool_calls"
+    (call,) = got["message"].pop("tool_calls")
+    (want,) = whole["message"].pop("tool_calls")
+    assert call["index"] == 0 and call["function"] == want["function"], (call, want)
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert got["message"] == whole["message"] == {"role": "assistant", "content": "two "}
+
+
+@pytest.mark.parametrize(
+    ("text", "xml", "sent"),
+    [
+        ("two <tool", False, "two "),  # may grow into <tool_call>: held
+        ("two <tool_call>{", False, "two "),
+        ("two <b>", False, "two <b>"),  # cannot: sent
+        ("a <", False, "a "),
+        ("a <func", True, "a "),  # the XML form's other mark
+        ("a <function=f>", True, "a "),
+        ("a <func", False, "a <func"),
+    ],
+)
+def test_a_streamed_reply_holds_what_may_become_a_call(text: str, xml: bool, sent: str) -> None:
+    from types import SimpleNamespace
+
+    from trainer.api.fireworks.chat_stream import CallStream
+    from trainer.api.fireworks.chat_tools import XML_CALLS
+
+    marks = (START, XML_CALLS) if xml else (START,)
+    assert CallStream._visible(SimpleNamespace(marks=marks), text) == sent  # type: ignore[arg-type]

@@ -134,6 +134,26 @@ def events(response: httpx.Response) -> list[dict[str, Any] | str]:
     return out
 
 
+def chat_message(response: httpx.Response) -> tuple[dict[str, Any], str | None, int]:
+    """A streamed chat's one choice put together from its deltas: the message as a whole
+    answer has it (parts never sent are absent), its finish reason, and how many chunks
+    carried it."""
+    message: dict[str, Any] = {}
+    finish, chunks = None, 0
+    for event in events(response):
+        if not isinstance(event, dict) or not event["choices"]:
+            continue
+        chunks += 1
+        (part,) = event["choices"]
+        for key, value in part["delta"].items():
+            if key == "tool_calls":
+                message.setdefault(key, []).extend(value)
+            else:
+                message[key] = value if key == "role" else message.get(key, "") + value
+        finish = part.get("finish_reason") or finish
+    return message, finish, chunks
+
+
 def asample(http: httpx.Client, path: str, n: int, **params: Any) -> list[list[int]]:
     """The Tinker face's own sample of the checkpoint: each sequence's tokens."""
     body = {

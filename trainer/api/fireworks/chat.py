@@ -21,8 +21,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from trainer.api.fireworks.chat_harmony import Harmony
+from trainer.api.fireworks.chat_stream import CallStream, ChannelStream
 from trainer.api.fireworks.chat_tools import HERMES, check_template, parse_calls, parse_tools
 from trainer.api.fireworks.completion_run import Prepared, serve
+from trainer.api.fireworks.completion_stream import ChoiceStream, TextStream
 from trainer.api.fireworks.completions_wire import (
     CompletionRequest,
     extra_field,
@@ -146,11 +148,6 @@ def parse_chat(raw: dict[str, Any]) -> tuple[CompletionRequest, ChatShape]:
     if "prompt" in raw:
         raise extra_field("prompt")  # the text route's field
     tools = parse_tools(raw)
-    if tools is not None and raw.get("stream"):
-        raise bad_request(
-            "stream: tool calls are parsed from a whole completion; send stream false with tools",
-            "stream",
-        )
     messages = parse_messages(raw.get("messages"))
     token_ids = raw.get("return_token_ids")
     if token_ids is not None and not isinstance(token_ids, bool):
@@ -236,12 +233,6 @@ class ChatShape:
                 raise bad_request(f"reasoning_effort: not served: {REASONING}", "reasoning_effort")
             switch["reasoning_effort"] = self.effort
         self.harmony = Harmony.of(tokenizer, entry.name)
-        if self.harmony is not None and req.stream:
-            raise bad_request(
-                f"stream: {entry.name} replies in channels, split into reasoning_content and "
-                "content from a whole completion; send stream false",
-                "stream",
-            )
         try:
             self.rendered = str(
                 tokenizer.apply_chat_template(
@@ -273,7 +264,7 @@ class ChatShape:
             return None
         return {"content": logprob_rows(ready.req, ready.tokens, ready.prompt, group, seq)}
 
-    def _tail(
+    def tail(
         self, ready: Prepared, group: dict[str, Any], seq: dict[str, Any], called: bool = False
     ) -> dict[str, Any]:
         """A choice's fields beside its message: finish reason, logprobs, raw output, ids."""
@@ -297,11 +288,11 @@ class ChatShape:
             echoed = ready.tokens.text(ready.req.echoed(ready.prompt))
             said = echoed + (reply.content or "") if echoed else reply.content
             split = {"role": "assistant", "content": said, "reasoning_content": reply.reasoning}
-            return {"index": i, "message": split, **self._tail(ready, group, seq)}
+            return {"index": i, "message": split, **self.tail(ready, group, seq)}
         if self.tools is None:
             text = full_text(ready.req, ready.tokens, ready.prompt, seq)
             plain = {"role": "assistant", "content": text}
-            return {"index": i, "message": plain, **self._tail(ready, group, seq)}
+            return {"index": i, "message": plain, **self.tail(ready, group, seq)}
         echoed = ready.tokens.text(ready.req.echoed(ready.prompt))
         completion = ready.tokens.text([int(t) for t in seq["tokens"]])
         parsed = parse_calls(completion, self.call_form, self.tools)
@@ -309,7 +300,7 @@ class ChatShape:
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if parsed.calls:
             message["tool_calls"] = parsed.calls
-        tail = self._tail(ready, group, seq, bool(parsed.calls))
+        tail = self.tail(ready, group, seq, bool(parsed.calls))
         return {"index": i, "message": message, **tail}
 
     def delta(self, ready: Prepared, i: int, text: str, first: bool) -> dict[str, Any]:
@@ -320,7 +311,14 @@ class ChatShape:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if rest or first:
             delta["content"] = rest
-        return {"index": i, "delta": delta, **self._tail(ready, group, group["sequences"][i])}
+        return {"index": i, "delta": delta, **self.tail(ready, group, group["sequences"][i])}
+
+    def stream(self, ready: Prepared, i: int) -> ChoiceStream:
+        if self.harmony is not None:
+            return ChannelStream(self, ready, i, self.harmony)
+        if self.tools is not None:
+            return CallStream(self, ready, i, self.call_form)
+        return TextStream(self, ready, i)
 
     def extra(self, ready: Prepared) -> dict[str, Any]:
         return {"prompt_token_ids": ready.prompt} if self.token_ids else {}

@@ -29,12 +29,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from trainer.api.fireworks.auth import principal_of
 from trainer.api.fireworks.completion_batch import FanOut, Merger
+from trainer.api.fireworks.completion_stream import ChoiceStream
 from trainer.api.fireworks.completions_wire import (
     CompletionRequest,
     Tokens,
     cancelled,
     engine_body,
-    full_text,
     scored_only,
     wire_error,
 )
@@ -104,13 +104,8 @@ class Shape(Protocol):
         """Choice `i` of a whole answer (its sequence: `group["sequences"][i]`)."""
         ...
 
-    def delta(self, ready: Prepared, i: int, text: str, first: bool) -> dict[str, Any]:
-        """A stream's chunk of choice `i`: its new `text` (`first`: its first chunk)."""
-        ...
-
-    def last(self, ready: Prepared, group: dict[str, Any], i: int, rest: str, first: bool) -> Any:
-        """A stream's last chunk of choice `i`: the `rest` of its text, its finish reason,
-        logprobs and raw output (`first`: no chunk of it came before)."""
+    def stream(self, ready: Prepared, i: int) -> ChoiceStream:
+        """How choice `i` is streamed (`completion_stream.py`)."""
         ...
 
     def extra(self, ready: Prepared) -> dict[str, Any]:
@@ -351,27 +346,21 @@ async def _stream(
     queue: asyncio.Queue[tuple[str, Any]],
     first: tuple[str, Any],
 ) -> AsyncIterator[str]:
-    req, tokens, shape, head = ready.req, ready.tokens, ready.shape, ready.head(chunk=True)
-    echoed = req.echoed(ready.prompt)
-    rows, echo_text = req.n, tokens.text(echoed)
-    sent = [echo_text] * rows  # the text each choice has sent
-    opened = [False] * rows  # whether each choice has sent a chunk
-    made: list[list[int]] = [[] for _ in range(rows)]  # the tokens each choice has generated
+    req, head = ready.req, ready.head(chunk=True)
+    streams = [ready.shape.stream(ready, i) for i in range(req.n)]
+    made: list[list[int]] = [[] for _ in streams]  # the tokens each choice has generated
     try:
-        if echoed:
-            echo = [shape.delta(ready, i, echo_text, True) for i in range(rows)]
-            yield _sse({**head, "choices": echo})
-            opened = [True] * rows
+        opening = [chunk for s in streams if (chunk := s.opening()) is not None]
+        if opening:
+            yield _sse({**head, "choices": opening})
         event: tuple[str, Any] | None = first
         while event is not None and event[0] == "step":
             fresh, event = _coalesced(event[1], queue)
             deltas = []
-            for i, new in enumerate(fresh[:rows]):
+            for i, new in enumerate(fresh[: len(streams)]):
                 made[i].extend(new)
-                text = echo_text + tokens.text(made[i])
-                if new and text.startswith(sent[i]) and not text.endswith("\ufffd"):
-                    deltas.append(shape.delta(ready, i, text[len(sent[i]) :], not opened[i]))
-                    sent[i], opened[i] = text, True
+                if new and (chunk := streams[i].step(made[i])) is not None:
+                    deltas.append(chunk)
             if deltas:
                 yield _sse({**head, "choices": deltas})
             if event is None:
@@ -390,10 +379,7 @@ async def _stream(
         for i, seq in enumerate(group["sequences"]):
             if cancelled(seq["stop_reason"]):
                 return  # the client ended it: nobody reads the rest
-            whole = full_text(req, tokens, ready.prompt, seq)
-            rest = whole[len(sent[i]) :] if whole.startswith(sent[i]) else ""
-            chunk = shape.last(ready, group, i, rest, not opened[i])
-            yield _sse({**head, "choices": [chunk]})
+            yield _sse({**head, "choices": [streams[i].end(group, seq)]})
         usage = _usage(ready, group)
         last: dict[str, Any] = {**head, "choices": [], "usage": usage}
         if req.perf_metrics:

@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from trainer.api.fireworks.completion_run import Prepared, serve
+from trainer.api.fireworks.completion_stream import ChoiceStream, TextStream
 from trainer.api.fireworks.completions_wire import (
     CompletionRequest,
     choice_json,
@@ -56,6 +57,9 @@ class TextShape:
     def last(self, ready: Prepared, group: dict[str, Any], i: int, rest: str, first: bool) -> Any:
         seq = group["sequences"][i]
         return choice_json(i, ready.req, ready.tokens, ready.prompt, group, seq, rest)
+
+    def stream(self, ready: Prepared, i: int) -> ChoiceStream:
+        return TextStream(self, ready, i)
 
     def extra(self, ready: Prepared) -> dict[str, Any]:
         return {}

@@ -1,0 +1,112 @@
+"""A chat choice streamed in parts (docs/semantics.md §25a): a reply in harmony channels sends
+`reasoning_content` and `content` deltas as each grows (`ChannelStream`); a reply that may call
+tools sends its content up to where a call may begin, then holds the rest until the end, whose
+chunk carries the calls (`CallStream`). What either sends adds up to the whole answer's
+message, which `ChatShape.choice` makes from the same tokens.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from trainer.api.fireworks.chat_harmony import Harmony
+from trainer.api.fireworks.chat_tools import START, XML, XML_CALLS, parse_calls
+
+if TYPE_CHECKING:
+    from trainer.api.fireworks.chat import ChatShape
+    from trainer.api.fireworks.completion_run import Prepared
+
+
+class _Parts:
+    """Choice `i`'s message parts sent so far, and its chunks."""
+
+    def __init__(self, shape: ChatShape, ready: Prepared, i: int) -> None:
+        self.shape, self.ready, self.i = shape, ready, i
+        self.echo = ready.tokens.text(ready.req.echoed(ready.prompt))
+        self.sent: dict[str, str] = {"reasoning_content": "", "content": self.echo}
+        self.opened = False
+
+    def opening(self) -> dict[str, Any] | None:
+        if not self.echo:
+            return None
+        self.opened = True
+        return {"index": self.i, "delta": {"role": "assistant", "content": self.echo}}
+
+    def _delta(self, parts: dict[str, str], last: bool) -> dict[str, Any]:
+        """What `parts` add to what was sent (a part that no longer extends it adds nothing;
+        before the last chunk, nor one that ends inside a character)."""
+        delta: dict[str, Any] = {} if self.opened else {"role": "assistant"}
+        for key, value in parts.items():
+            before = self.sent[key]
+            grows = len(value) > len(before) and value.startswith(before)
+            if grows and (last or not value.endswith("\ufffd")):
+                delta[key] = value[len(before) :]
+                self.sent[key] = value
+        return delta
+
+    def _chunk(self, delta: dict[str, Any]) -> dict[str, Any] | None:
+        if not delta:
+            return None
+        self.opened = True
+        return {"index": self.i, "delta": delta, "finish_reason": None}
+
+
+class ChannelStream(_Parts):
+    """A harmony reply: its reasoning and content as `Harmony.split` reads the tokens so far
+    (a reply not in channels: all content, as the whole answer has it)."""
+
+    def __init__(self, shape: ChatShape, ready: Prepared, i: int, harmony: Harmony) -> None:
+        super().__init__(shape, ready, i)
+        self.harmony = harmony
+
+    def _parts(self, tokens: list[int]) -> dict[str, str]:
+        text = self.ready.tokens.text
+        reply = self.harmony.split(tokens, text)
+        if reply is None:
+            return {"reasoning_content": "", "content": self.echo + text(tokens)}
+        return {
+            "reasoning_content": reply.reasoning or "",
+            "content": self.echo + (reply.content or ""),
+        }
+
+    def step(self, made: list[int]) -> dict[str, Any] | None:
+        return self._chunk(self._delta(self._parts(made), last=False))
+
+    def end(self, group: dict[str, Any], seq: dict[str, Any]) -> dict[str, Any]:
+        delta = self._delta(self._parts([int(t) for t in seq["tokens"]]), last=True)
+        return {"index": self.i, "delta": delta, **self.shape.tail(self.ready, group, seq)}
+
+
+class CallStream(_Parts):
+    """A reply that may call tools: its text is sent up to where a call may begin (the first
+    call tag, less any end of the text that could still grow into one); the last chunk has the
+    rest of the content and the calls, numbered by `index`, as the whole answer reads them."""
+
+    def __init__(self, shape: ChatShape, ready: Prepared, i: int, form: str) -> None:
+        super().__init__(shape, ready, i)
+        self.form = form
+        self.marks = (START, XML_CALLS) if form == XML else (START,)
+
+    def _visible(self, text: str) -> str:
+        cut = min((text.find(m) for m in self.marks if m in text), default=len(text))
+        text = text[:cut]
+        for mark in self.marks:  # hold an end that may be a mark's beginning
+            for n in range(min(len(mark) - 1, len(text)), 0, -1):
+                if text.endswith(mark[:n]):
+                    text = text[: len(text) - n]
+                    break
+        return text
+
+    def step(self, made: list[int]) -> dict[str, Any] | None:
+        visible = self._visible(self.ready.tokens.text(made))
+        return self._chunk(self._delta({"content": self.echo + visible}, last=False))
+
+    def end(self, group: dict[str, Any], seq: dict[str, Any]) -> dict[str, Any]:
+        text = self.ready.tokens.text([int(t) for t in seq["tokens"]])
+        parsed = parse_calls(text, self.form, self.shape.tools)
+        content = (parsed.content or "") if parsed.calls else text
+        delta = self._delta({"content": self.echo + content}, last=True)
+        if parsed.calls:
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(parsed.calls)]
+        tail = self.shape.tail(self.ready, group, seq, bool(parsed.calls))
+        return {"index": self.i, "delta": delta, **tail}
