@@ -229,26 +229,37 @@ def test_full_export_reloads_and_resumes_from_hf_dir(tiny_model_dir, tmp_path) -
     assert_same(weights_of(hf), trained)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_composite"])
 def test_a_full_model_with_its_own_head_resumes_into_a_tied_resource(
-    tiny_qwen_dir, tmp_path
+    tiny_qwen_dir, tmp_path, family: str
 ) -> None:
     """A full model directory whose output head is its own (untied, unlike the embedding)
-    keeps it when a tied base model's full-weight session starts from it."""
-    from transformers import AutoModelForCausalLM
+    keeps it when a tied base model's full-weight session starts from it: a causal LM, and a
+    composite whose embedding sits inside its language model."""
+    import transformers
 
+    from trainer.compute.model import save_merged
+    from trainer.tiny_families import _COMPOSITE_CLASSES, save_family
+
+    base = tiny_qwen_dir if family == "qwen3" else save_family(family, tmp_path / family)
+    cls = getattr(transformers, _COMPOSITE_CLASSES.get(family, "AutoModelForCausalLM"))
+    model = cls.from_pretrained(base, dtype=torch.float32)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # tied
+    model.config.tie_word_embeddings = False
+    if hasattr(model.config, "text_config"):
+        model.config.text_config.tie_word_embeddings = False
+    head = model.get_output_embeddings()
+    head.weight = torch.nn.Parameter(torch.randn_like(head.weight))
     own_head = tmp_path / "own-head"
-    model = AutoModelForCausalLM.from_pretrained(
-        tiny_qwen_dir, dtype=torch.float32, tie_word_embeddings=False
-    )
-    with torch.no_grad():
-        model.lm_head.weight.copy_(torch.randn_like(model.lm_head.weight))
-    model.save_pretrained(own_head)
-    full = make_resource(tiny_qwen_dir, tmp_path, lora=False)
+    save_merged(model, own_head, {})  # as the worker exports a merged model
+    full = make_resource(base, tmp_path / "storage", lora=False)
     session = full.create_session("b", SessionSpec(resume_from_hf_checkpoint=str(own_head)))
     with session.operation_scope(), session.policy.training(train=False):
         got = _logprobs(session.policy.model, [3, 17, 29, 4, 88, 61, 12])
-    want = AutoModelForCausalLM.from_pretrained(own_head, dtype=torch.float32).eval()
+    want = cls.from_pretrained(own_head, dtype=torch.float32).eval()
     assert torch.equal(got, _logprobs(want, [3, 17, 29, 4, 88, 61, 12]))
+    tied = cls.from_pretrained(base, dtype=torch.float32).eval()
+    assert not torch.allclose(got, _logprobs(tied, [3, 17, 29, 4, 88, 61, 12]), atol=1e-3)
 
 
 def test_lora_resume_from_hf_adapter_dir(tiny_qwen_dir, tmp_path) -> None:

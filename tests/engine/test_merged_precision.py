@@ -126,3 +126,20 @@ def test_a_decision_calibration_is_the_checkpoints_decision_json(
     checkpoint = session.save_inference_checkpoint(decision=decision)
     assert json.loads((checkpoint.path / "decision.json").read_text()) == decision
     assert not (session.save_inference_checkpoint().path / "decision.json").exists()
+
+
+def test_a_composites_export_names_its_dtype_in_every_sub_config(tmp_path: Path) -> None:
+    """Gemma 3 with its vision tower: every floating tensor is bf16, and each sub-model's
+    config names the dtype too, so `dtype="auto"` loads the whole composite in bf16."""
+    import transformers
+
+    model_dir = save_family("gemma3_composite", tmp_path / "gemma3")
+    session = _trained(make_resource(model_dir, tmp_path / "storage"))
+    rounded = session.save_inference_checkpoint(merged=True, precision="bf16")
+    assert {t.dtype for t in _merged(rounded).values()} == {torch.bfloat16}
+    config = _config(rounded)
+    assert config["dtype"] == config["text_config"]["dtype"] == "bfloat16"
+    assert config["vision_config"]["dtype"] == "bfloat16"
+    cls = transformers.Gemma3ForConditionalGeneration
+    loaded = cls.from_pretrained(rounded.path / "merged", dtype="auto")
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}

@@ -64,9 +64,10 @@ def cast(
 
 
 def name_dtype(config: dict[str, Any], dtype: torch.dtype) -> None:
-    """Set the dtype a config names (its own and its text config's), in place."""
-    for level in (config, config.get("text_config")):
-        if isinstance(level, dict):
-            level["dtype"] = NAMES[dtype]
-            if "torch_dtype" in level:
-                level["torch_dtype"] = NAMES[dtype]
+    """Set the dtype a config names, in place: its own, and each sub-model's config's (a
+    composite's text and vision configs)."""
+    subs = [v for v in config.values() if isinstance(v, dict) and "model_type" in v]
+    for level in (config, *subs):
+        level["dtype"] = NAMES[dtype]
+        if "torch_dtype" in level:
+            level["torch_dtype"] = NAMES[dtype]

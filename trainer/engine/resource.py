@@ -332,12 +332,17 @@ class ModelResource:
         """Whether a full model's `weights` hold an output head of their own where this
         resource ties it to the embeddings: one they store, unlike their embedding."""
         head = weights.get("lm_head.weight")
-        embedding = weights.get(tied_source("lm_head.weight"))
+        embedding = weights.get(self._embedding_name())
         return (
             self._base_tied
             and head is not None
             and (embedding is None or not torch.equal(head, embedding))
         )
+
+    def _embedding_name(self) -> str:
+        """The input embedding's parameter name (a composite's is inside its language model)."""
+        weight = self.model.get_input_embeddings().weight
+        return next(n for n, p in self.model.named_parameters() if p is weight)
 
     def _install(
         self, session: TrainingSession, field: str, load: Callable[[], None]
