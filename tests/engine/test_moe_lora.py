@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from tests.engine import test_merge as merge_tests
 from tests.engine.helpers import assert_same, grads_of, make_resource, random_batch, weights_of
 from tests.engine.test_muon import MATCH, ORIGINAL, muon_resource, ns_reference, scale_reference
-from trainer.compute.model import lora_target_parameters, peft_lora_config
+from trainer.compute.lora_targets import lora_target_parameters, peft_lora_config
 from trainer.compute.muon import muon_split
 from trainer.contract.errors import OperationError
 from trainer.contract.muon_params import MuonParams

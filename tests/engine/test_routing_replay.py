@@ -328,9 +328,9 @@ def test_batched_samples_record_each_rows_routes(moe_dir, tmp_path, monkeypatch)
     routes (the replayed forward equals its sampled logprobs); keyed samples never merge.
     Sessions with LoRA on the experts never batch (`policy.segmentable`), so these adapt the
     attention only."""
-    import trainer.compute.model
+    import trainer.compute.lora_targets
 
-    monkeypatch.setattr(trainer.compute.model, "lora_target_parameters", lambda model: [])
+    monkeypatch.setattr(trainer.compute.lora_targets, "lora_target_parameters", lambda model: [])
     options = EngineOptions(merge_window_ms=200.0, decode_steps_per_turn=2)
     resource = make_resource(moe_dir, tmp_path, lora=True, options=options)
     sessions = [

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from tests.engine.helpers import make_resource, random_batch
 from tests.models.conformance import save
-from trainer.compute.model import lora_target_modules, lora_target_parameters
+from trainer.compute.lora_targets import lora_target_modules, lora_target_parameters, num_experts
 from trainer.contract.specs import LoraConfig, LossConfig, SessionSpec
 
 CE = LossConfig(type="cross_entropy")
@@ -72,3 +72,80 @@ def test_a_later_session_on_a_plain_model_keeps_plain_targets(tmp_path: Path) ->
         record = session.save_inference_checkpoint()
         saved = json.loads((record.path / "adapter" / "adapter_config.json").read_text())
         assert isinstance(saved["target_modules"], list) and "lm_head" in saved["target_modules"]
+
+
+def test_a_name_adapted_in_one_module_and_read_directly_in_another_takes_paths() -> None:
+    """Where a mixer's `out_proj` is read directly but an attention layer's `out_proj` is
+    called, the targets are the modules' own paths: the attention's is adapted, the mixer's
+    is not."""
+    import torch
+    from torch import nn
+
+    class Mixer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.A_log, self.D = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.ones(2))
+            self.in_proj, self.out_proj = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv, self.out_proj = nn.Linear(4, 12), nn.Linear(4, 4)
+
+    class Decoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Mixer(), Attention()])
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model, self.lm_head = Decoder(), nn.Linear(4, 8)
+
+        def get_decoder(self) -> nn.Module:
+            return self.model
+
+        def get_output_embeddings(self) -> nn.Module:
+            return self.lm_head
+
+    model = Model()
+    targets = lora_target_modules(model, train_unembed=True)
+    assert isinstance(targets, list)
+    names = [name for name, _ in model.named_modules() if name]
+    # peft's rule for a list: a module's name is a target or ends with "." and one
+    matched = {n for n in names if any(n == t or n.endswith(f".{t}") for t in targets)}
+    assert matched == {
+        "model.layers.0.in_proj",
+        "model.layers.1.qkv",
+        "model.layers.1.out_proj",
+        "lm_head",
+    }
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_next"])
+def test_dense_layers_beside_experts_keep_the_asked_rank(family: str, tmp_path: Path) -> None:
+    """A dense `gate_proj` / `up_proj` beside fused experts (DeepSeek-V3's first layer and
+    shared experts, Qwen3-Next's shared expert): the adapter has the asked rank everywhere, a
+    second adapter on the shared model too, and its config lists what it trains, so plain peft
+    reads it back (peft ≥ 0.22 would otherwise take those names for v4 experts: a
+    rank-doubled `gate_up_proj`, and the dense layers left out of the config)."""
+    resource = make_resource(save(family, tmp_path / family), tmp_path / "store")
+    config = LoraConfig(rank=4, seed=2)
+    for name in ("a", "b"):  # the second joins a model that already holds an adapter
+        session = resource.create_session(name, SessionSpec(lora_config=config))
+        session.forward_backward(CE, random_batch(3, n=3, weights="ones"))
+        record = session.save_inference_checkpoint()
+        adapter = load_file(str(record.path / "adapter" / "adapter_model.safetensors"))
+        saved = json.loads((record.path / "adapter" / "adapter_config.json").read_text())
+        assert saved["r"] == 4 and not saved.get("rank_pattern"), saved
+        targeted = saved["target_modules"]
+        experts = num_experts(resource.model)
+        for key, tensor in adapter.items():
+            module = key.removeprefix("base_model.model.").split(".lora_")[0]
+            if ".lora_A" not in key:
+                continue
+            if ".experts." in key:  # an expert stack's factor: rank 4 for each expert
+                assert experts and tensor.shape[0] == 4 * experts, (key, tuple(tensor.shape))
+            else:
+                assert tensor.shape[0] == 4, (key, tuple(tensor.shape))
+                assert module in targeted, module

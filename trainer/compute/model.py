@@ -19,24 +19,20 @@ import contextlib
 import json
 import logging
 import os
-import re
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
-from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer  # eager: see the module docstring
 
 from trainer.compute import architecture, precision, selfcheck
 from trainer.compute.architecture import needs_eager
 from trainer.compute.attention import use_packed_sdpa
+from trainer.compute.lora_targets import head_attr, unwrapped
 from trainer.compute.precision import DTYPES
 from trainer.compute.turns import TurnLock
-from trainer.contract.errors import invalid
-from trainer.contract.specs import LoraConfig, ModelEntry
+from trainer.contract.specs import ModelEntry
 
 log = logging.getLogger(__name__)
 
@@ -249,124 +245,6 @@ def _has_flash_attn() -> bool:
     return True
 
 
-def lora_target_modules(model: Any, train_unembed: bool) -> list[str] | str:
-    """Every linear layer of the decoder (leaf names), plus the output head with train_unembed.
-
-    Like peft's "all-linear" but explicit, so the head can be added as a real LoRA target
-    (not `modules_to_save`, which inference servers reject). On a composite model (a language
-    model beside a vision or audio tower) the leaf names would match the towers' layers too,
-    so the targets are a regex over the language model's module paths: the towers stay frozen
-    and untouched (text-only training; docs/semantics.md §20).
-    """
-    decoder = model.get_decoder()
-    names = sorted(
-        {name.rsplit(".", 1)[-1] for name, mod in decoder.named_modules() if _is_linear(mod)}
-    )
-    head_name = _head_attr(model)
-    prefix = _decoder_path(model)
-    if prefix is not None and _has_other_towers(model, prefix):
-        leaves = "|".join(re.escape(name) for name in names)
-        pattern = rf"{re.escape(prefix)}\..*\.({leaves})"
-        return f"^(?:{pattern}|{re.escape(head_name)})$" if train_unembed else f"^{pattern}$"
-    if train_unembed:
-        names.append(head_name)
-    return names
-
-
-def _decoder_path(model: Any) -> str | None:
-    decoder = model.get_decoder()
-    for name, module in model.named_modules():
-        if module is decoder:
-            return name
-    return None
-
-
-def _has_other_towers(model: Any, decoder_path: str) -> bool:
-    """Whether linear layers live outside the decoder and the output head (a vision tower,
-    a multimodal projector)."""
-    head = _head_attr(model)
-    for name, module in model.named_modules():
-        # the decoder, and the head with what peft puts in it (`base_layer`, `lora_A`, ...)
-        inside = any(name == p or name.startswith(p + ".") for p in (decoder_path, head))
-        if _is_linear(module) and not inside:
-            return True
-    return False
-
-
-def lora_target_parameters(model: Any) -> list[str]:
-    """The fused expert weights of the decoder's MoE blocks, for peft's `target_parameters`
-    (`experts.gate_up_proj`, `experts.down_proj` in transformers 5's Qwen3-MoE): every 3-D
-    parameter whose first dimension is the config's number of experts, outside any
-    convolution (a linear-attention layer's conv kernel is 3-D too, and is not an expert
-    stack), named `<module leaf>.<parameter>`. Empty for a dense model. The router (a 2-D
-    parameter of its own module) is not among them. Sorted, so that peft nests its wrappers,
-    and names the adapter's keys, the same way on every load."""
-    decoder = model.get_decoder()
-    experts = num_experts(model)
-    if experts is None:
-        return []
-    names = set()
-    for module_name, module in decoder.named_modules():
-        if isinstance(module, nn.modules.conv._ConvNd):
-            continue
-        for param_name, param in module.named_parameters(recurse=False):
-            if param.dim() == 3 and param.shape[0] == experts:
-                leaf = unwrapped(module_name).rsplit(".", 1)[-1]  # without peft's wrappers
-                names.add(f"{leaf}.{param_name}")
-    return sorted(names)
-
-
-def num_experts(model: Any) -> int | None:
-    """The number of routed experts its config declares (None: a dense model)."""
-    return architecture.describe_experts(architecture.text_config(model))
-
-
-def unwrapped(path: str) -> str:
-    """A module path or parameter name without peft's (possibly nested) `.base_layer` parts."""
-    return re.sub(r"\.base_layer(?=\.|$)", "", path)
-
-
-def _is_linear(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) or type(module).__name__ == "Linear"
-
-
-def _head_attr(model: Any) -> str:
-    head = model.get_output_embeddings()
-    for name, module in model.named_children():
-        if module is head:
-            return name
-    raise ValueError("the model's output head is not a direct child module")
-
-
-def peft_lora_config(model: Any, config: LoraConfig) -> Any:
-    from peft import LoraConfig as PeftLoraConfig
-
-    experts = lora_target_parameters(model)
-    if experts and config.dropout > 0:
-        # peft's ParamWrapper (LoRA on a parameter) cannot apply dropout to its input
-        raise invalid(
-            "lora_config.dropout",
-            "LoRA dropout is not supported on mixture-of-experts models "
-            "(the expert weights are adapted as parameters); use 0",
-        )
-    if experts and config.init_method == "nora":
-        raise invalid(
-            "lora_config.init_method",
-            "nora is not served on mixture-of-experts models (the expert weights are adapted "
-            "as parameters); use kaiming",
-        )
-    extra: dict[str, Any] = {"target_parameters": experts} if experts else {}
-    return PeftLoraConfig(
-        r=config.rank,
-        lora_alpha=config.alpha,
-        lora_dropout=config.dropout,
-        target_modules=lora_target_modules(model, config.train_unembed),
-        bias="none",
-        task_type="CAUSAL_LM",
-        **extra,
-    )
-
-
 def is_tied(model: Any) -> bool:
     head = model.get_output_embeddings()
     embed = model.get_input_embeddings()
@@ -374,17 +252,6 @@ def is_tied(model: Any) -> bool:
     if hasattr(head, "base_layer"):  # a peft LoRA wrapper around the head
         head_weight = head.base_layer.weight
     return head_weight is embed.weight
-
-
-@contextlib.contextmanager
-def quiet_peft_warnings() -> Iterator[None]:
-    """peft warns about LoRA on a tied head; we never merge in place, so the warning is moot."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
-        warnings.filterwarnings("ignore", message=".*should not be contained in the prefix.*")
-        warnings.filterwarnings("ignore", message=".*was active which is now deleted.*")
-        yield
 
 
 # --------------------------------------------------------------------------------------------
@@ -410,7 +277,7 @@ def save_merged(
     """
     from safetensors.torch import save_file
 
-    head_name = _head_attr(base)
+    head_name = head_attr(base)
     tied = is_tied(base)
     state: dict[str, torch.Tensor] = {}
     for key, tensor in base.state_dict().items():

@@ -24,12 +24,13 @@ import torch
 import torch.distributed
 from torch import nn
 
-from trainer.compute.model import (
-    is_tied,
+from trainer.compute.lora_targets import (
     peft_lora_config,
     quiet_peft_warnings,
     unwrapped,
+    v5_targets,
 )
+from trainer.compute.model import is_tied
 from trainer.contract.specs import LoraConfig
 
 if TYPE_CHECKING:
@@ -228,7 +229,11 @@ class LoraPolicy(Policy):
         if not isinstance(peft_config.target_modules, str):  # a composite's regex: exact
             peft_config.target_modules = set(peft_config.target_modules) - inner
         device = resource_model.get_input_embeddings().weight.device
-        with quiet_peft_warnings(), torch.random.fork_rng(devices=cuda_devices(device)):
+        with (
+            quiet_peft_warnings(),
+            v5_targets(),
+            torch.random.fork_rng(devices=cuda_devices(device)),
+        ):
             torch.manual_seed(seed)
             self._peft = shared.add(resource_model, peft_config, name)
             if config.init_method == "nora":
