@@ -241,8 +241,6 @@ def _generate(
     turns: Turns,
     tell: _Teller,
 ) -> list[list[list[Sequence]]]:
-    from transformers import DynamicCache
-
     draws = tell.draws
     for job in jobs:
         draws.append(Draws(job, draws[-1].end if draws else 0))
@@ -250,18 +248,16 @@ def _generate(
     input_ids, mask, positions = left_padded(rows, next(model.parameters()).device)
     attention = given_mask(mask, rows)
     padded = attention is not None
-    config = cast(Any, model).config  # sliding and linear-attention layers get their own cache
-    cache_kw = {_cache_kwarg(model): DynamicCache(config=config)}
     calls = _Calls(model, call, draws, padded)
     try:
-        out = calls(
+        out = calls(  # the model makes its own cache: per layer type, or a class of its own
             input_ids=input_ids,
             attention_mask=attention,
             position_ids=positions,
             use_cache=True,
             logits_to_keep=1,
-            **cache_kw,
         )
+        cache_kw = {_cache_kwarg(model): out.past_key_values}
         next_pos = positions[:, -1:] + 1
         for step in range(max(job.params.max_tokens for job in jobs)):
             if turns.give is not None and turns.due(step):
