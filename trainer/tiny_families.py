@@ -462,7 +462,9 @@ def _calibrate_logits(model: Any) -> None:
     """Rescale the final norm so that the logits of a fixed probe have std `LOGIT_STD`."""
     import torch
 
-    norm = model.get_decoder().norm
+    decoder = model.get_decoder()
+    names = ("norm", "final_layernorm", "norm_f", "embedding_norm")  # LFM2's is applied last
+    norm = next(getattr(decoder, n) for n in names if hasattr(decoder, n))
     probe = torch.randint(2, VOCAB - 4, (2, 16), generator=torch.Generator().manual_seed(1234))
     std = float(model(input_ids=probe, use_cache=False).logits.float().std())
     if not std > 0:

@@ -51,6 +51,18 @@ ROWS: tuple[Row, ...] = (
     Row("deepseek_v3", PACKED_VARLEN),
     Row("glm4_moe", PACKED_VARLEN),
     Row("qwen2", PACKED_VARLEN, note="sliding only above `max_window_layers`"),
+    Row("lfm2", ROWS_SDPA, note="short convolutions"),
+    Row("granitemoehybrid", ROWS_SDPA, note="Mamba-2, experts"),
+    Row("jamba", ROWS_SDPA, note="Mamba, experts"),
+    Row("nemotron_h", ROWS_SDPA, note="Mamba-2"),
+    Row(
+        "minimax",
+        None,
+        refusal=r"model type 'minimax' .*refused: sampling left-pads the prompts",
+        note="its lightning attention lets a batch's left padding into its state",
+    ),
+    Row("cohere2", PACKED_VARLEN, note="logit scale"),
+    Row("smollm3", PACKED_VARLEN, note="NoPE layers"),
     Row(
         "falcon_h1",
         None,
@@ -113,7 +125,142 @@ def _qwen2() -> Any:
     return build_from_config(config)
 
 
-EXTRA: dict[str, Callable[[], Any]] = {"falcon_h1": _falcon_h1, "qwen2": _qwen2}
+COMMON: dict[str, Any] = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "pad_token_id": 0,
+}
+
+
+def _lfm2() -> Any:
+    """LFM2: gated short-convolution layers beside attention layers."""
+    from transformers import Lfm2Config
+
+    layers = ["conv", "full_attention", "conv"]
+    config = Lfm2Config(
+        **COMMON, intermediate_size=128, num_hidden_layers=3, layer_types=layers, conv_L_cache=3
+    )
+    config.block_auto_adjust_ff_dim = False
+    return build_from_config(config)
+
+
+def _granitemoehybrid() -> Any:
+    """Granite 4 hybrid: Mamba-2 and attention layers, each with a mixture of experts."""
+    from transformers import GraniteMoeHybridConfig
+
+    config = GraniteMoeHybridConfig(
+        **COMMON,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        layer_types=["mamba", "attention"],
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_d_state=16,
+        mamba_n_groups=1,
+        mamba_chunk_size=16,
+        mamba_expand=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=64,
+        position_embedding_type="rope",
+    )
+    return build_from_config(config)
+
+
+def _jamba() -> Any:
+    """Jamba: Mamba (selective scan) and attention layers, experts on every other one."""
+    from transformers import JambaConfig
+
+    config = JambaConfig(
+        **COMMON,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        use_mamba_kernels=False,
+    )
+    return build_from_config(config)
+
+
+def _nemotron_h() -> Any:
+    """Nemotron-H: Mamba-2, attention and MLP layers by a pattern (`M*-`)."""
+    from transformers import NemotronHConfig
+
+    config = NemotronHConfig(
+        **COMMON,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        hybrid_override_pattern="M*-",
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        ssm_state_size=16,
+        n_groups=1,
+        chunk_size=16,
+        head_dim=16,
+    )
+    return build_from_config(config)
+
+
+def _minimax() -> Any:
+    """MiniMax: lightning (linear) attention and full attention layers, with experts."""
+    from transformers import MiniMaxConfig
+
+    config = MiniMaxConfig(
+        **COMMON,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        head_dim=16,
+        block_size=8,
+    )
+    return build_from_config(config)
+
+
+def _cohere2() -> Any:
+    """Command R7B: sliding and global attention, a logit scale on the head."""
+    from transformers import Cohere2Config
+
+    config = Cohere2Config(
+        **COMMON, intermediate_size=128, num_hidden_layers=4, sliding_window=4, head_dim=16
+    )
+    return build_from_config(config)
+
+
+def _smollm3() -> Any:
+    """SmolLM3: every other layer without rotary positions (NoPE)."""
+    from transformers import SmolLM3Config
+
+    config = SmolLM3Config(
+        **COMMON, intermediate_size=128, num_hidden_layers=4, no_rope_layer_interval=2
+    )
+    return build_from_config(config)
+
+
+EXTRA: dict[str, Callable[[], Any]] = {
+    "falcon_h1": _falcon_h1,
+    "qwen2": _qwen2,
+    "lfm2": _lfm2,
+    "granitemoehybrid": _granitemoehybrid,
+    "jamba": _jamba,
+    "nemotron_h": _nemotron_h,
+    "minimax": _minimax,
+    "cohere2": _cohere2,
+    "smollm3": _smollm3,
+}
 
 
 def save(family: str, out_dir: Path) -> Path:

@@ -74,6 +74,22 @@ def test_a_later_session_on_a_plain_model_keeps_plain_targets(tmp_path: Path) ->
         assert isinstance(saved["target_modules"], list) and "lm_head" in saved["target_modules"]
 
 
+@pytest.mark.parametrize("family", ["jamba", "granitemoehybrid", "nemotron_h"])
+def test_a_mamba_mixer_is_adapted_at_its_input_only(family: str, tmp_path: Path) -> None:
+    """A state-space mixer's other linear layers are read directly by its scan (Jamba's
+    `dt_proj`) or the fused kernels (`x_proj`, `dt_proj`, `out_proj`): not LoRA targets, so no
+    adapter is silently skipped. Its `in_proj` and the attention layers are."""
+    resource = make_resource(save(family, tmp_path / family), tmp_path / "store")
+    targets = lora_target_modules(resource.model, train_unembed=False)
+    assert isinstance(targets, list)
+    leaves = {target.rsplit(".", 1)[-1] for target in targets}  # paths beside experts
+    assert "in_proj" in leaves and not {"out_proj", "x_proj", "dt_proj"} & leaves, targets
+    assert {"q_proj", "k_proj", "v_proj", "o_proj"} <= leaves, targets
+    session = resource.create_session("a", SessionSpec(lora_config=LoraConfig(rank=4, seed=2)))
+    out = session.forward_backward(CE, random_batch(3, n=3, weights="ones"))
+    assert out["loss"] > 0
+
+
 def test_a_name_adapted_in_one_module_and_read_directly_in_another_takes_paths() -> None:
     """Where a mixer's `out_proj` is read directly but an attention layer's `out_proj` is
     called, the targets are the modules' own paths: the attention's is adapted, the mixer's

@@ -157,6 +157,45 @@ def check_head(model: Any, arch: Architecture) -> float:
     return diff
 
 
+@torch.no_grad()
+def check_left_padding(model: Any, arch: Architecture, sequences: list[torch.Tensor]) -> float:
+    """The decode loop's batches (`trainer.compute.sampler`): the sequences but their last
+    token prefilled left-padded in one batch, then one decode step of each last token through
+    the model's own cache, give the logprobs of the model's own forward of each sequence alone
+    at those two positions (over the whole vocabulary). Refuses the model when they differ (a
+    layer that lets left padding into its state); returns the difference."""
+    from trainer.compute.sampler import _cache_kwarg, decode_step, given_mask, left_padded
+
+    device = next(model.parameters()).device
+    rows = [[int(t) for t in seq[:-1]] for seq in sequences]
+    ids, mask, positions = left_padded(rows, device)
+    attention = given_mask(mask, rows)
+    out = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True)
+    first = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
+    last = torch.stack([seq[-1] for seq in sequences]).to(device)
+    cache = {_cache_kwarg(model): out.past_key_values}
+    step, _, _ = decode_step(model, last, attention, positions[:, -1:] + 1, cache)
+    second = torch.log_softmax(step.logits[:, -1].float(), dim=-1)
+    diff = 0.0
+    for r, seq in enumerate(sequences):
+        alone = model(input_ids=seq[None].to(device), use_cache=False).logits[0, -2:]
+        want = torch.log_softmax(alone.float(), dim=-1)
+        got = torch.stack([first[r], second[r]])
+        diff = max(diff, _measure((got - want).abs(), _dtype(model)))
+    if not diff <= tolerance(_dtype(model)):
+        features = "; ".join(arch.features()) or "plain attention"
+        raise ModelRefused(
+            f"model type {arch.model_type!r} ({features}) is refused: sampling left-pads the "
+            f"prompts of a batch, and its layers let the padding into what they compute "
+            f"(the logprobs of a prompt left-padded and alone differ by {diff:.3g})"
+        )
+    return diff
+
+
+def _dtype(model: Any) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
 def prove(model: Any) -> Architecture:
     """Read the model's architecture, check its head and its layouts (module docstring), and
     keep the chosen one on the model. Raises `ModelRefused` when no layout is exact."""
@@ -179,6 +218,7 @@ def prove(model: Any) -> Architecture:
             diff = (ours - reference).abs() if ours.shape == reference.shape else None
             checked[layout] = float("inf") if diff is None else _measure(diff, dtype)
             if checked[layout] <= tolerance(dtype):
+                check_left_padding(model, arch, sequences)
                 chosen = arch.chosen(layout, checked, time.perf_counter() - started)
                 keep(model, chosen)
                 log.info(
