@@ -389,3 +389,27 @@ def test_checkpoint_written_before_the_unified_engine_resumes(tiny_qwen_dir, tmp
     _train(session, range(1))
     assert session.step == 3
     resource.close()
+
+
+def test_an_adapter_export_resumes_into_full_weights_merged(tiny_llama_dir, tmp_path) -> None:
+    """An unencrypted adapter export holds no merged model: a full-weight session starts from
+    its adapter, merged into the base weights as from a PEFT directory (Llama: its untied head
+    lets peft's own merge be the reference)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from trainer.checkpoint.export import AdapterExport
+
+    lora_res = make_resource(tiny_llama_dir, tmp_path, lora=True)
+    session = lora_res.create_session("a", SessionSpec(lora_config=LoraConfig(rank=4, seed=1)))
+    _train(session, range(2))
+    export = session.save_inference_checkpoint(export=AdapterExport(naming="peft"))
+    assert not (export.path / "merged").exists()
+    full = make_resource(tiny_llama_dir, tmp_path, lora=False)
+    served = full.create_session("b", SessionSpec(resume_from_checkpoint_id=export.id))
+    tokens = [3, 17, 29, 4, 88, 61, 12]
+    with served.operation_scope(), served.policy.training(train=False):
+        got = _logprobs(served.policy.model, tokens)
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, export.path / "adapter").merge_and_unload().eval()
+    torch.testing.assert_close(got, _logprobs(merged, tokens), atol=1e-5, rtol=1e-5)

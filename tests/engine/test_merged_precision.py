@@ -143,3 +143,15 @@ def test_a_composites_export_names_its_dtype_in_every_sub_config(tmp_path: Path)
     cls = transformers.Gemma3ForConditionalGeneration
     loaded = cls.from_pretrained(rounded.path / "merged", dtype="auto")
     assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+
+
+def test_a_float16_export_keeps_what_transformers_keeps_in_float32(tmp_path: Path) -> None:
+    """GPT-OSS keeps its norms in float32 when it loads in float16 (`_keep_in_fp32_modules`),
+    and nothing more in bfloat16: an export at either dtype keeps what a load would."""
+    from trainer.compute.precision import kept_in_fp32
+    from trainer.tiny_families import build_family
+
+    model = build_family("gpt_oss")
+    assert kept_in_fp32(model, torch.bfloat16) == []
+    kept = kept_in_fp32(model, torch.float16)
+    assert {"input_layernorm", "post_attention_layernorm", "norm"} <= set(kept), kept

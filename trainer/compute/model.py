@@ -296,7 +296,7 @@ def save_merged(
         if isinstance(config.get("text_config"), dict):
             config["text_config"]["tie_word_embeddings"] = False
     if dtype is not None:
-        state = precision.cast(state, dtype, precision.kept_in_fp32(base))
+        state = precision.cast(state, dtype, precision.kept_in_fp32(base, dtype))
         precision.name_dtype(config, dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {key: tensor.detach().to("cpu").contiguous().clone() for key, tensor in state.items()}

@@ -3,8 +3,9 @@
 
 A merge is computed at the trainer's precision, then each floating tensor is rounded once to
 the export's dtype (`torch.Tensor.to`, round to nearest even), except the tensors the model's
-class keeps in float32 whatever the dtype it loads in (`_keep_in_fp32_modules_strict`, matched
-as transformers matches them), which keep the trainer's. The config then names the dtype, so
+class keeps in float32 when it loads in that dtype (`_keep_in_fp32_modules_strict`, and in
+float16 `_keep_in_fp32_modules` too; matched as transformers matches them), which keep the
+trainer's. The config then names the dtype, so
 `from_pretrained(dtype="auto")` reads the files as they are.
 """
 
@@ -40,11 +41,16 @@ def stored_dtype(model_dir: Path) -> torch.dtype | None:
     return None
 
 
-def kept_in_fp32(model: Any) -> list[str]:
-    """The patterns of the parameters `model`'s class keeps in float32 at any dtype."""
+def kept_in_fp32(model: Any, dtype: torch.dtype) -> list[str]:
+    """The patterns of the parameters `model`'s class keeps in float32 when it loads in
+    `dtype`: those it keeps at any 16-bit dtype, and in float16 those it keeps there too."""
+    names = ["_keep_in_fp32_modules_strict"]
+    if dtype == torch.float16:
+        names.append("_keep_in_fp32_modules")
     patterns: set[str] = set()
     for module in model.modules():
-        patterns.update(getattr(module, "_keep_in_fp32_modules_strict", None) or ())
+        for name in names:
+            patterns.update(getattr(module, name, None) or ())
     return sorted(patterns)
 
 

@@ -20,6 +20,7 @@ from trainer.checkpoint.export import ENCRYPTED_EXPORT, is_encrypted
 from trainer.checkpoint.layout import tied_source
 from trainer.checkpoint.store import INFERENCE, CheckpointCorrupt, CheckpointStore
 from trainer.compute import precision
+from trainer.compute.lora_targets import head_attr
 from trainer.compute.model import (
     COMPUTE_LOCK,
     default_device,
@@ -87,6 +88,7 @@ class ModelResource:
         self._base_dirty = False
         self._base_tied = is_tied(self.model)
         self._base_dir: Path | None = None  # None: the catalogue entry's own weights
+        self._stored_dtype = _stored_dtype(entry)  # what a `merged_base` export's `source` is
         if spec.base_weights_ref:  # a checkpoint's merged model instead (semantics §9)
             self._use_base_weights(spec.base_weights_ref)
         head = self.model.get_output_embeddings()
@@ -204,8 +206,7 @@ class ModelResource:
         """The dtype of a merged export at precision `name`: `source` (the base model's stored
         dtype, else the trainer's) or `bf16` (docs/semantics.md §23)."""
         if name == "source":
-            stored = precision.stored_dtype(local_dir(self.entry.location, self.entry.revision))
-            return stored or self.model.dtype
+            return self._stored_dtype or self.model.dtype
         return precision.EXPORTED[name]
 
     def _use_base_weights(self, ref: str) -> None:
@@ -268,6 +269,8 @@ class ModelResource:
             if spec.load_optimizer:
                 raise invalid("load_optimizer", "an inference checkpoint has no optimizer state")
             source = layout.inference_weights(record.path, self.lora)
+            if lora and not source.exists():  # an adapter export: the adapter, merged here
+                source = layout.inference_weights(record.path, True)
             return self._from_directory(session_id, spec, source, field)
         lora_config = layout.lora_config_of(state)
         self._check_rank(lora_config, field, f"checkpoint {checkpoint_id}: its ")
@@ -331,7 +334,7 @@ class ModelResource:
     def _own_head(self, weights: dict[str, torch.Tensor]) -> bool:
         """Whether a full model's `weights` hold an output head of their own where this
         resource ties it to the embeddings: one they store, unlike their embedding."""
-        head = weights.get("lm_head.weight")
+        head = weights.get(f"{head_attr(self.model)}.weight")
         embedding = weights.get(self._embedding_name())
         return (
             self._base_tied
@@ -397,6 +400,15 @@ def _set_tied(model: Any, tied: bool) -> None:
     text_config = getattr(model.config, "text_config", None)
     if text_config is not None:
         text_config.tie_word_embeddings = tied
+
+
+def _stored_dtype(entry: ModelEntry) -> torch.dtype | None:
+    """The dtype the entry's files are stored in, read at load from the directory just
+    loaded (None when unknown: a save's `source` is then the trainer's precision)."""
+    try:
+        return precision.stored_dtype(local_dir(entry.location, entry.revision))
+    except Exception:  # the hub's errors come in many types; all mean "not known here"
+        return None
 
 
 def _untie_head(model: Any) -> None:
