@@ -268,6 +268,8 @@ def _generate(
             if all(d.finished for d in draws):
                 break
             out, attention, next_pos = decode_step(calls, chosen, attention, next_pos, cache_kw)
+            if out.past_key_values is not None:  # a model may hand back a new cache object
+                cache_kw = {_cache_kwarg(model): out.past_key_values}
     finally:
         calls.off()
     return [d.grouped() for d in draws]
