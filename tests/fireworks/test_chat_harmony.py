@@ -159,3 +159,22 @@ def test_a_streamed_reply_adds_up_to_the_whole_answer(
     want = {k: v for k, v in whole["message"].items() if v is not None}
     assert message == want and finish == whole["finish_reason"], (message, whole)
     assert chunks > 2  # it streamed, not one chunk at the end
+
+
+def test_a_message_cut_inside_its_header_counts_for_no_channel() -> None:
+    """A reply cut after `<|channel|>` but before `<|message|>`: the message's channel is not
+    known, so it is in neither part (a stream would otherwise send a newline the whole answer
+    does not have)."""
+    from trainer.api.fireworks.chat_harmony import Harmony
+
+    words = {100: "commentary", 101: "hello", 102: "analysis", 103: "assistant"}
+    harmony = Harmony(channel=1, message=2, start=3, ends=frozenset({4, 5, 6}))
+
+    def text(ids: list[int]) -> str:
+        return " ".join(words[i] for i in ids if i in words)
+
+    reply = [1, 100, 2, 101, 4, 3, 103, 1]
+    got = harmony.split(reply, text)
+    assert got is not None and (got.reasoning, got.content) == (None, "hello")
+    whole = harmony.split([*reply, 102, 2, 101, 4], text)
+    assert whole is not None and (whole.reasoning, whole.content) == ("hello", "hello")

@@ -204,21 +204,49 @@ def test_tool_choice_none_neither_renders_nor_parses(
 def test_a_conversation_with_calls_and_results_renders_them(
     live: LiveServer, models: dict[str, Path]
 ) -> None:
-    """An assistant turn's `tool_calls` and a `tool` result reach the template as sent."""
-    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": {"a": 2}}}
-    messages = [
-        *ASK,
-        {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "5"},
-    ]
-    out = chat(live, model=HERMES, messages=messages, tools=TOOLS, return_token_ids=True)
+    """An assistant turn's `tool_calls` and a `tool` result reach the template, the call's
+    arguments as a JSON object whether sent as one or written out as a string (as a reply's
+    calls come, and clients send them back)."""
+    function: dict[str, Any] = {"name": "add", "arguments": {"a": 2}}
+    spelled = {**function, "arguments": '{"a": 2}'}
+    prompts = []
+    for sent in (function, spelled):
+        call = {"id": "call_1", "type": "function", "function": sent}
+        messages = [
+            *ASK,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+        ]
+        out = chat(live, model=HERMES, messages=messages, tools=TOOLS, return_token_ids=True)
+        prompts.append(out["prompt_token_ids"])
     written = (
         "<|im_start|>system\n<tools>\nadd\n</tools><|im_end|>\n"
         "<|im_start|>user\nwhat is two plus three ?<|im_end|>\n"
         '<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n'
         "</tool_call><|im_end|>\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
     )
-    assert out["prompt_token_ids"] == ids(models, written)
+    assert prompts == [ids(models, written)] * 2
+    broken = {"id": "c", "type": "function", "function": {**function, "arguments": "{a"}}
+    bad = [*ASK, {"role": "assistant", "content": None, "tool_calls": [broken]}]
+    error = chat(live, 400, model=HERMES, messages=bad, tools=TOOLS)["error"]
+    assert error["param"] == "messages[1].tool_calls[0].function.arguments", error
+
+
+def test_a_call_cut_by_max_tokens_finishes_length(live: LiveServer, caller: str) -> None:
+    """The call is read as far as it goes, and the finish reason says it was cut."""
+    out = chat(live, model=caller, messages=ASK, tools=TOOLS, max_tokens=3)
+    (choice,) = out["choices"]
+    (call,) = choice["message"]["tool_calls"]  # "<tool_call> {...}", its end tag not reached
+    assert call["function"]["name"] == "add" and choice["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_a_hermes_call_with_a_non_json_number_is_content(constant: str) -> None:
+    from trainer.api.fireworks.chat_tools import parse_calls
+
+    text = f'two <tool_call>{{"name": "add", "arguments": {{"a": {constant}}}}}</tool_call>'
+    parsed = parse_calls(text)
+    assert parsed.calls == [] and parsed.content == text
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ offered tools parsed out of it: `chat_tools.py`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from typing import Any
 
@@ -113,8 +114,29 @@ def parse_messages(value: Any) -> list[dict[str, Any]]:
             where = f"messages[{i}].tool_calls"
             raise bad_request(f"{where}: must be a list", where)
         content = _content(message.get("content"), i, str(role), bool(calls))
-        out.append({**{k: v for k, v in message.items() if v is not None}, "content": content})
+        kept = {k: v for k, v in message.items() if v is not None}
+        if calls:
+            kept["tool_calls"] = [_call_sent(call, i, j) for j, call in enumerate(calls)]
+        out.append({**kept, "content": content})
     return out
+
+
+def _call_sent(call: Any, i: int, j: int) -> Any:
+    """An assistant message's tool call as its template reads it: `function.arguments` a JSON
+    object, as a completion's calls send it written out (a string), parsed back, as vLLM
+    does (a 400 naming it when it is not one)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    arguments: str = function["arguments"]
+    where = f"messages[{i}].tool_calls[{j}].function.arguments"
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        raise bad_request(f"{where}: not a JSON object: {arguments[:80]!r}", where) from None
+    if not isinstance(parsed, dict):
+        raise bad_request(f"{where}: not a JSON object: {arguments[:80]!r}", where)
+    return {**call, "function": {**function, "arguments": parsed}}
 
 
 def _max_tokens(raw: dict[str, Any]) -> Any:
@@ -170,6 +192,13 @@ def parse_chat(raw: dict[str, Any]) -> tuple[CompletionRequest, ChatShape]:
     off = next((n for n in ("reasoning_effort", "thinking") if thinking_off(n, raw.get(n))), None)
     effort = raw.get("reasoning_effort") if raw.get("reasoning_effort") in EFFORTS else None
     return req, ChatShape(messages, asked is not None, bool(token_ids), off, tools, effort)
+
+
+def _finish(stop_reason: str, called: bool) -> str:
+    """`tool_calls` for a completion that called tools and ended; one cut by `max_tokens`
+    stays `length`, its last call perhaps cut with it."""
+    reason = finish_reason(stop_reason)
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def thinking_off(name: str, value: Any) -> bool:
@@ -269,7 +298,7 @@ class ChatShape:
     ) -> dict[str, Any]:
         """A choice's fields beside its message: finish reason, logprobs, raw output, ids."""
         out: dict[str, Any] = {
-            "finish_reason": "tool_calls" if called else finish_reason(seq["stop_reason"]),
+            "finish_reason": _finish(seq["stop_reason"], called),
             "logprobs": self._logprobs(ready, group, seq),
         }
         if ready.req.raw_output:

@@ -6,7 +6,8 @@ A harmony model writes each message as `<|channel|>NAME<|message|>TEXT` ended by
 tokens skipped, a reply would run the channels' names and texts together. The completion is
 split at those tokens instead, by id: `analysis` messages are the reasoning, every other
 channel's (`final`, `commentary`) the content, each side's messages joined by a newline, and a
-message cut short by `max_tokens` counts for its channel. A completion that does not open with
+message cut short by `max_tokens` counts for its channel (one cut inside its header, whose
+channel is not known, counts for none). A completion that does not open with
 a channel, or has text between its messages, is not a harmony reply and stays all content.
 """
 
@@ -78,11 +79,13 @@ class Harmony:
             header = i + 1
             while i < n and tokens[i] != self.message:
                 i += 1
+            if i == n:  # a header still coming: its channel is not known yet
+                break
             name = text(tokens[header:i]).split()
             body = i + 1
             while i < n and tokens[i] not in self.ends and tokens[i] != self.start:
                 i += 1
-            words = text(tokens[body:i]) if body <= i else ""
+            words = text(tokens[body:i])
             (reasoning if name[:1] == [REASONING] else content).append(words)
             if i < n and tokens[i] in self.ends:
                 i += 1

@@ -30,7 +30,8 @@ class _Parts:
         if not self.echo:
             return None
         self.opened = True
-        return {"index": self.i, "delta": {"role": "assistant", "content": self.echo}}
+        delta = {"role": "assistant", "content": self.echo}
+        return {"index": self.i, "delta": delta, "finish_reason": None}
 
     def _delta(self, parts: dict[str, str], last: bool) -> dict[str, Any]:
         """What `parts` add to what was sent (a part that no longer extends it adds nothing;

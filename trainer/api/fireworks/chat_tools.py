@@ -118,7 +118,7 @@ def parse_calls(text: str, form: str = HERMES, tools: list[dict[str, Any]] | Non
     calls: list[dict[str, Any]] = []
     for closed, open_ended in CALLS.findall(text):
         try:
-            call = json.loads(closed or open_ended)
+            call = json.loads(closed or open_ended, parse_constant=_no_constant)
         except ValueError:
             return Parsed(text, [])
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
@@ -127,6 +127,11 @@ def parse_calls(text: str, form: str = HERMES, tools: list[dict[str, Any]] | Non
             return Parsed(text, [])
         calls.append(_call(call["name"], call["arguments"]))
     return Parsed(text[:start] or None, calls)
+
+
+def _no_constant(name: str) -> Any:
+    """`NaN` and the infinities, which JSON does not have: the call does not parse."""
+    raise ValueError(f"{name} is not JSON")
 
 
 def _call(name: str, arguments: Any) -> dict[str, Any]:
