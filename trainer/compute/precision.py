@@ -20,9 +20,7 @@ import torch
 
 NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DTYPES = {name: dtype for dtype, name in NAMES.items()}
-# the Fireworks SDK's precisions: `source` and `bf16` are written; the quantized ones are not
-EXPORTED = {"bf16": torch.bfloat16}
-QUANTIZED = ("nvfp4", "mxfp8", "fp8_block128")
+EXPORTED = {"bf16": torch.bfloat16}  # `trainer.contract.exports.WRITTEN` but `source`
 
 
 def stored_dtype(model_dir: Path) -> torch.dtype | None:

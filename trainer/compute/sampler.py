@@ -68,7 +68,7 @@ def draw_seed(seed: int | None, rng: torch.Generator | None = None) -> int:
     return int(torch.randint(0, 2**62, (), generator=rng).item())
 
 
-def _cache_kwarg(model: nn.Module) -> str:
+def cache_kwarg(model: nn.Module) -> str:
     """transformers renamed `past_key_values` to `cache` in 5.x; use whichever forward takes."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
@@ -257,7 +257,7 @@ def _generate(
             use_cache=True,
             logits_to_keep=1,
         )
-        cache_kw = {_cache_kwarg(model): out.past_key_values}
+        cache_kw = {cache_kwarg(model): out.past_key_values}
         next_pos = positions[:, -1:] + 1
         for step in range(max(job.params.max_tokens for job in jobs)):
             if turns.give is not None and turns.due(step):
@@ -269,7 +269,7 @@ def _generate(
                 break
             out, attention, next_pos = decode_step(calls, chosen, attention, next_pos, cache_kw)
             if out.past_key_values is not None:  # a model may hand back a new cache object
-                cache_kw = {_cache_kwarg(model): out.past_key_values}
+                cache_kw = {cache_kwarg(model): out.past_key_values}
     finally:
         calls.off()
     return [d.grouped() for d in draws]

@@ -164,7 +164,7 @@ def check_left_padding(model: Any, arch: Architecture, sequences: list[torch.Ten
     the model's own cache, give the logprobs of the model's own forward of each sequence alone
     at those two positions (over the whole vocabulary). Refuses the model when they differ (a
     layer that lets left padding into its state); returns the difference."""
-    from trainer.compute.sampler import _cache_kwarg, decode_step, given_mask, left_padded
+    from trainer.compute.sampler import cache_kwarg, decode_step, given_mask, left_padded
 
     device = next(model.parameters()).device
     rows = [[int(t) for t in seq[:-1]] for seq in sequences]
@@ -173,7 +173,7 @@ def check_left_padding(model: Any, arch: Architecture, sequences: list[torch.Ten
     out = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True)
     first = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
     last = torch.stack([seq[-1] for seq in sequences]).to(device)
-    cache = {_cache_kwarg(model): out.past_key_values}
+    cache = {cache_kwarg(model): out.past_key_values}
     step, _, _ = decode_step(model, last, attention, positions[:, -1:] + 1, cache)
     second = torch.log_softmax(step.logits[:, -1].float(), dim=-1)
     diff = 0.0

@@ -7,20 +7,28 @@ message, which `ChatShape.choice` makes from the same tokens.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from trainer.api.fireworks.chat_harmony import Harmony
 from trainer.api.fireworks.chat_tools import START, XML, XML_CALLS, parse_calls
+from trainer.api.fireworks.completion_stream import Ready
 
-if TYPE_CHECKING:
-    from trainer.api.fireworks.chat import ChatShape
-    from trainer.api.fireworks.completion_run import Prepared
+
+class ChatShape(Protocol):
+    """What a part stream reads of its `chat.ChatShape`: the tools offered, and a choice's
+    fields beside its message."""
+
+    tools: list[dict[str, Any]] | None
+
+    def tail(
+        self, ready: Any, group: dict[str, Any], seq: dict[str, Any], called: bool = False
+    ) -> dict[str, Any]: ...
 
 
 class _Parts:
     """Choice `i`'s message parts sent so far, and its chunks."""
 
-    def __init__(self, shape: ChatShape, ready: Prepared, i: int) -> None:
+    def __init__(self, shape: ChatShape, ready: Ready, i: int) -> None:
         self.shape, self.ready, self.i = shape, ready, i
         self.echo = ready.tokens.text(ready.req.echoed(ready.prompt))
         self.sent: dict[str, str] = {"reasoning_content": "", "content": self.echo}
@@ -56,7 +64,7 @@ class ChannelStream(_Parts):
     """A harmony reply: its reasoning and content as `Harmony.split` reads the tokens so far
     (a reply not in channels: all content, as the whole answer has it)."""
 
-    def __init__(self, shape: ChatShape, ready: Prepared, i: int, harmony: Harmony) -> None:
+    def __init__(self, shape: ChatShape, ready: Ready, i: int, harmony: Harmony) -> None:
         super().__init__(shape, ready, i)
         self.harmony = harmony
 
@@ -83,7 +91,7 @@ class CallStream(_Parts):
     call tag, less any end of the text that could still grow into one); the last chunk has the
     rest of the content and the calls, numbered by `index`, as the whole answer reads them."""
 
-    def __init__(self, shape: ChatShape, ready: Prepared, i: int, form: str) -> None:
+    def __init__(self, shape: ChatShape, ready: Ready, i: int, form: str) -> None:
         super().__init__(shape, ready, i)
         self.form = form
         self.marks = (START, XML_CALLS) if form == XML else (START,)

@@ -7,12 +7,17 @@ sequence into its last one. The text route and a plain chat send the decoded tex
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-from trainer.api.fireworks.completions_wire import full_text
+from trainer.api.fireworks.completions_wire import CompletionRequest, Tokens, full_text
 
-if TYPE_CHECKING:
-    from trainer.api.fireworks.completion_run import Prepared
+
+class Ready(Protocol):
+    """What a stream reads of a completion ready to run (`completion_run.Prepared`)."""
+
+    req: CompletionRequest
+    tokens: Tokens
+    prompt: list[int]
 
 
 class ChoiceStream(Protocol):
@@ -30,20 +35,18 @@ class ChoiceStream(Protocol):
 
 
 class Chunks(Protocol):
-    """A route's chunk formats (its `Shape`'s `delta` and `last`)."""
+    """A route's chunk formats (its `Shape`'s `delta` and `last`; `ready`: its `Prepared`)."""
 
-    def delta(self, ready: Prepared, i: int, text: str, first: bool) -> dict[str, Any]: ...
+    def delta(self, ready: Any, i: int, text: str, first: bool) -> dict[str, Any]: ...
 
-    def last(
-        self, ready: Prepared, group: dict[str, Any], i: int, rest: str, first: bool
-    ) -> Any: ...
+    def last(self, ready: Any, group: dict[str, Any], i: int, rest: str, first: bool) -> Any: ...
 
 
 class TextStream:
     """Choice `i` sent as its decoded text: each step sends what the text adds, once it ends on
     a whole character (a partial UTF-8 sequence decodes to U+FFFD and waits for the rest)."""
 
-    def __init__(self, chunks: Chunks, ready: Prepared, i: int) -> None:
+    def __init__(self, chunks: Chunks, ready: Ready, i: int) -> None:
         self.chunks, self.ready, self.i = chunks, ready, i
         self.echo = ready.tokens.text(ready.req.echoed(ready.prompt))
         self.sent, self.opened = self.echo, False

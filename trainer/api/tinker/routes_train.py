@@ -43,7 +43,7 @@ from trainer.api.tinker.routes import (
 )
 from trainer.api.tinker.sampling import SamplerSessions, new_sampler, samplers_of
 from trainer.checkpoint.export import AdapterExport
-from trainer.compute.precision import EXPORTED, QUANTIZED
+from trainer.contract.exports import QUANTIZED, WRITTEN
 from trainer.serving.errors import ApiError, bad_request
 from trainer.serving.operations import hidden_size_of, vocab_size_of
 
@@ -373,8 +373,8 @@ def _export_precision(value: str | None, merged: bool) -> str | None:
             "write; use 'source' or 'bf16'",
             "export_precision",
         )
-    if wanted not in ("source", *EXPORTED):
-        allowed = ", ".join(("source", *EXPORTED, *QUANTIZED))
+    if wanted not in WRITTEN:
+        allowed = ", ".join((*WRITTEN, *QUANTIZED))
         raise bad_request(
             f"export_precision: {value[:64]!r} is not one of {allowed}", "export_precision"
         )
