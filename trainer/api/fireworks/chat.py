@@ -30,7 +30,6 @@ from trainer.api.fireworks.completions_wire import (
     CompletionRequest,
     extra_field,
     finish_reason,
-    full_text,
     logprob_rows,
     parse_request,
     raw_output,
@@ -308,28 +307,33 @@ class ChatShape:
             out["token_ids"] = ready.req.echoed(ready.prompt) + [int(t) for t in seq["tokens"]]
         return out
 
+    def message(self, ready: Prepared, tokens: list[int]) -> dict[str, Any]:
+        """The message a choice's `tokens` make, the echoed prompt's text first: a harmony
+        reply split into `reasoning_content` and `content`, the calls of offered tools parsed
+        out into `tool_calls`, else the text. The whole answer's choice and the last chunk of
+        a streamed one both read it."""
+        echoed = ready.tokens.text(ready.req.echoed(ready.prompt))
+
+        def said(text: str | None) -> str | None:
+            return echoed + (text or "") if echoed else text
+
+        reply = None if self.harmony is None else self.harmony.split(tokens, ready.tokens.text)
+        if reply is not None:
+            content = said(reply.content)
+            return {"role": "assistant", "content": content, "reasoning_content": reply.reasoning}
+        text = ready.tokens.text(tokens)
+        if self.tools is None:
+            return {"role": "assistant", "content": echoed + text}
+        parsed = parse_calls(text, self.call_form, self.tools)
+        out: dict[str, Any] = {"role": "assistant", "content": said(parsed.content)}
+        if parsed.calls:
+            out["tool_calls"] = parsed.calls
+        return out
+
     def choice(self, ready: Prepared, group: dict[str, Any], i: int) -> dict[str, Any]:
         seq = group["sequences"][i]
-        reply = None
-        if self.harmony is not None:
-            reply = self.harmony.split([int(t) for t in seq["tokens"]], ready.tokens.text)
-        if reply is not None:
-            echoed = ready.tokens.text(ready.req.echoed(ready.prompt))
-            said = echoed + (reply.content or "") if echoed else reply.content
-            split = {"role": "assistant", "content": said, "reasoning_content": reply.reasoning}
-            return {"index": i, "message": split, **self.tail(ready, group, seq)}
-        if self.tools is None:
-            text = full_text(ready.req, ready.tokens, ready.prompt, seq)
-            plain = {"role": "assistant", "content": text}
-            return {"index": i, "message": plain, **self.tail(ready, group, seq)}
-        echoed = ready.tokens.text(ready.req.echoed(ready.prompt))
-        completion = ready.tokens.text([int(t) for t in seq["tokens"]])
-        parsed = parse_calls(completion, self.call_form, self.tools)
-        content = echoed + (parsed.content or "") if echoed else parsed.content
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if parsed.calls:
-            message["tool_calls"] = parsed.calls
-        tail = self.tail(ready, group, seq, bool(parsed.calls))
+        message = self.message(ready, [int(t) for t in seq["tokens"]])
+        tail = self.tail(ready, group, seq, "tool_calls" in message)
         return {"index": i, "message": message, **tail}
 
     def delta(self, ready: Prepared, i: int, text: str, first: bool) -> dict[str, Any]:
@@ -344,7 +348,7 @@ class ChatShape:
 
     def stream(self, ready: Prepared, i: int) -> ChoiceStream:
         if self.harmony is not None:
-            return ChannelStream(self, ready, i, self.harmony)
+            return ChannelStream(self, ready, i)
         if self.tools is not None:
             return CallStream(self, ready, i, self.call_form)
         return TextStream(self, ready, i)

@@ -2,23 +2,22 @@
 `reasoning_content` and `content` deltas as each grows (`ChannelStream`); a reply that may call
 tools sends its content up to where a call may begin, then holds the rest until the end, whose
 chunk carries the calls (`CallStream`). What either sends adds up to the whole answer's
-message, which `ChatShape.choice` makes from the same tokens.
+message, which `ChatShape.message` makes from the same tokens for both.
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol
 
-from trainer.api.fireworks.chat_harmony import Harmony
-from trainer.api.fireworks.chat_tools import START, XML, XML_CALLS, parse_calls
+from trainer.api.fireworks.chat_tools import START, XML, XML_CALLS
 from trainer.api.fireworks.completion_stream import Ready
 
 
 class ChatShape(Protocol):
-    """What a part stream reads of its `chat.ChatShape`: the tools offered, and a choice's
-    fields beside its message."""
+    """What a part stream reads of its `chat.ChatShape`: the message tokens make, and a
+    choice's fields beside it."""
 
-    tools: list[dict[str, Any]] | None
+    def message(self, ready: Any, tokens: list[int]) -> dict[str, Any]: ...
 
     def tail(
         self, ready: Any, group: dict[str, Any], seq: dict[str, Any], called: bool = False
@@ -61,22 +60,12 @@ class _Parts:
 
 
 class ChannelStream(_Parts):
-    """A harmony reply: its reasoning and content as `Harmony.split` reads the tokens so far
-    (a reply not in channels: all content, as the whole answer has it)."""
-
-    def __init__(self, shape: ChatShape, ready: Ready, i: int, harmony: Harmony) -> None:
-        super().__init__(shape, ready, i)
-        self.harmony = harmony
+    """A harmony reply: its reasoning and content as the message of the tokens so far has
+    them (a reply not in channels: all content, as the whole answer has it)."""
 
     def _parts(self, tokens: list[int]) -> dict[str, str]:
-        text = self.ready.tokens.text
-        reply = self.harmony.split(tokens, text)
-        if reply is None:
-            return {"reasoning_content": "", "content": self.echo + text(tokens)}
-        return {
-            "reasoning_content": reply.reasoning or "",
-            "content": self.echo + (reply.content or ""),
-        }
+        message = self.shape.message(self.ready, tokens)
+        return {key: message.get(key) or "" for key in ("reasoning_content", "content")}
 
     def step(self, made: list[int]) -> dict[str, Any] | None:
         return self._chunk(self._delta(self._parts(made), last=False))
@@ -93,7 +82,6 @@ class CallStream(_Parts):
 
     def __init__(self, shape: ChatShape, ready: Ready, i: int, form: str) -> None:
         super().__init__(shape, ready, i)
-        self.form = form
         self.marks = (START, XML_CALLS) if form == XML else (START,)
 
     def _visible(self, text: str) -> str:
@@ -111,11 +99,10 @@ class CallStream(_Parts):
         return self._chunk(self._delta({"content": self.echo + visible}, last=False))
 
     def end(self, group: dict[str, Any], seq: dict[str, Any]) -> dict[str, Any]:
-        text = self.ready.tokens.text([int(t) for t in seq["tokens"]])
-        parsed = parse_calls(text, self.form, self.shape.tools)
-        content = (parsed.content or "") if parsed.calls else text
-        delta = self._delta({"content": self.echo + content}, last=True)
-        if parsed.calls:
-            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(parsed.calls)]
-        tail = self.shape.tail(self.ready, group, seq, bool(parsed.calls))
+        message = self.shape.message(self.ready, [int(t) for t in seq["tokens"]])
+        delta = self._delta({"content": message["content"] or ""}, last=True)
+        calls = message.get("tool_calls", [])
+        if calls:
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+        tail = self.shape.tail(self.ready, group, seq, bool(calls))
         return {"index": self.i, "delta": delta, **tail}
