@@ -88,7 +88,9 @@ class ModelResource:
         self._base_dirty = False
         self._base_tied = is_tied(self.model)
         self._base_dir: Path | None = None  # None: the catalogue entry's own weights
-        self._stored_dtype = _stored_dtype(entry)  # what a `merged_base` export's `source` is
+        # what a `merged_base` export's `source` is: the dtype of the files just loaded
+        loaded_from = str(getattr(self.model.config, "name_or_path", "") or "")
+        self._stored_dtype = precision.stored_dtype(Path(loaded_from)) if loaded_from else None
         if spec.base_weights_ref:  # a checkpoint's merged model instead (semantics §9)
             self._use_base_weights(spec.base_weights_ref)
         head = self.model.get_output_embeddings()
@@ -400,15 +402,6 @@ def _set_tied(model: Any, tied: bool) -> None:
     text_config = getattr(model.config, "text_config", None)
     if text_config is not None:
         text_config.tie_word_embeddings = tied
-
-
-def _stored_dtype(entry: ModelEntry) -> torch.dtype | None:
-    """The dtype the entry's files are stored in, read at load from the directory just
-    loaded (None when unknown: a save's `source` is then the trainer's precision)."""
-    try:
-        return precision.stored_dtype(local_dir(entry.location, entry.revision))
-    except Exception:  # the hub's errors come in many types; all mean "not known here"
-        return None
 
 
 def _untie_head(model: Any) -> None:
