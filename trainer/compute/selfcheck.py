@@ -166,7 +166,7 @@ def check_left_padding(model: Any, arch: Architecture, sequences: list[torch.Ten
     layer that lets left padding into its state); returns the difference."""
     from trainer.compute.sampler import cache_kwarg, decode_step, given_mask, left_padded
 
-    device = next(model.parameters()).device
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     rows = [[int(t) for t in seq[:-1]] for seq in sequences]
     ids, mask, positions = left_padded(rows, device)
     attention = given_mask(mask, rows)
@@ -181,8 +181,8 @@ def check_left_padding(model: Any, arch: Architecture, sequences: list[torch.Ten
         alone = model(input_ids=seq[None].to(device), use_cache=False).logits[0, -2:]
         want = torch.log_softmax(alone.float(), dim=-1)
         got = torch.stack([first[r], second[r]])
-        diff = max(diff, _measure((got - want).abs(), _dtype(model)))
-    if not diff <= tolerance(_dtype(model)):
+        diff = max(diff, _measure((got - want).abs(), dtype))
+    if not diff <= tolerance(dtype):
         features = "; ".join(arch.features()) or "plain attention"
         raise ModelRefused(
             f"model type {arch.model_type!r} ({features}) is refused: sampling left-pads the "
@@ -190,10 +190,6 @@ def check_left_padding(model: Any, arch: Architecture, sequences: list[torch.Ten
             f"(the logprobs of a prompt left-padded and alone differ by {diff:.3g})"
         )
     return diff
-
-
-def _dtype(model: Any) -> torch.dtype:
-    return next(model.parameters()).dtype
 
 
 def prove(model: Any) -> Architecture:
