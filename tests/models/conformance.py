@@ -73,18 +73,28 @@ ROWS: tuple[Row, ...] = (
 BY_FAMILY = {row.family: row for row in ROWS}
 
 
+# the tiny shape every extra family shares (`trainer/tiny_families.py`'s)
+COMMON: dict[str, Any] = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "pad_token_id": 0,
+}
+
+
 def _falcon_h1() -> Any:
     """A Mamba-2 / attention hybrid whose logits are `lm_head(h) · lm_head_multiplier`: a head
     transform the trainer does not reproduce, so the worker must refuse it."""
     from transformers import AutoModelForCausalLM, FalconH1Config
 
     config = FalconH1Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
+        **COMMON,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=16,
         mamba_d_ssm=64,
         mamba_n_heads=4,
@@ -92,11 +102,7 @@ def _falcon_h1() -> Any:
         mamba_d_state=16,
         mamba_n_groups=1,
         mamba_chunk_size=16,
-        max_position_embeddings=512,
         lm_head_multiplier=2.0,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=0,
     )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config)  # raw init: the head check refuses it
@@ -108,33 +114,13 @@ def _qwen2() -> Any:
     from transformers import Qwen2Config
 
     config = Qwen2Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
+        **COMMON,
         num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         use_sliding_window=True,
         sliding_window=4,
         max_window_layers=1,
-        max_position_embeddings=512,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=0,
     )
     return build_from_config(config)
-
-
-COMMON: dict[str, Any] = {
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 512,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "pad_token_id": 0,
-}
 
 
 def _lfm2() -> Any:
@@ -142,9 +128,7 @@ def _lfm2() -> Any:
     from transformers import Lfm2Config
 
     layers = ["conv", "full_attention", "conv"]
-    config = Lfm2Config(
-        **COMMON, intermediate_size=128, num_hidden_layers=3, layer_types=layers, conv_L_cache=3
-    )
+    config = Lfm2Config(**COMMON, num_hidden_layers=3, layer_types=layers, conv_L_cache=3)
     config.block_auto_adjust_ff_dim = False
     return build_from_config(config)
 
@@ -155,7 +139,6 @@ def _granitemoehybrid() -> Any:
 
     config = GraniteMoeHybridConfig(
         **COMMON,
-        intermediate_size=128,
         num_hidden_layers=2,
         layer_types=["mamba", "attention"],
         mamba_n_heads=4,
@@ -178,7 +161,6 @@ def _jamba() -> Any:
 
     config = JambaConfig(
         **COMMON,
-        intermediate_size=128,
         num_hidden_layers=2,
         attn_layer_period=2,
         attn_layer_offset=1,
@@ -200,7 +182,6 @@ def _nemotron_h() -> Any:
 
     config = NemotronHConfig(
         **COMMON,
-        intermediate_size=128,
         num_hidden_layers=3,
         hybrid_override_pattern="M*-",
         mamba_num_heads=4,
@@ -219,7 +200,6 @@ def _minimax() -> Any:
 
     config = MiniMaxConfig(
         **COMMON,
-        intermediate_size=128,
         num_hidden_layers=2,
         layer_types=["linear_attention", "full_attention"],
         num_local_experts=4,
@@ -234,9 +214,7 @@ def _cohere2() -> Any:
     """Command R7B: sliding and global attention, a logit scale on the head."""
     from transformers import Cohere2Config
 
-    config = Cohere2Config(
-        **COMMON, intermediate_size=128, num_hidden_layers=4, sliding_window=4, head_dim=16
-    )
+    config = Cohere2Config(**COMMON, num_hidden_layers=4, sliding_window=4, head_dim=16)
     return build_from_config(config)
 
 
@@ -244,9 +222,7 @@ def _smollm3() -> Any:
     """SmolLM3: every other layer without rotary positions (NoPE)."""
     from transformers import SmolLM3Config
 
-    config = SmolLM3Config(
-        **COMMON, intermediate_size=128, num_hidden_layers=4, no_rope_layer_interval=2
-    )
+    config = SmolLM3Config(**COMMON, num_hidden_layers=4, no_rope_layer_interval=2)
     return build_from_config(config)
 
 
