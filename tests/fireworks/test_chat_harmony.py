@@ -77,25 +77,11 @@ def ids(model_dir: Path, text: str) -> list[int]:
 def reasoner(live: LiveServer, model_dir: Path) -> str:
     """A sampler checkpoint that reasons "two plus three", then answers "five"."""
     data = [th.datum(ids(model_dir, WRITTEN) + REPLY)]
-    with completions.tinker(live, "alice", KEYS) as http:
-        session = th.new_session(http)
-        body = {"session_id": session, "model_seq_id": 0, "base_model": MODEL}
-        body["lora_config"] = {"rank": 8, "seed": 0}
-        model_id = th.ok(http, "/create_model", body)["model_id"]
-        fb = {"data": data, "loss_fn": "cross_entropy"}
-        for _ in range(30):
-            th.ok(http, "/forward_backward", {"model_id": model_id, "forward_backward_input": fb})
-            th.ok(http, "/optim_step", th.optim_body(model_id, lr=1e-2))
-        saved = th.ok(http, "/save_weights_for_sampler", {"model_id": model_id, "path": "r"})
-    return str(saved["path"])
+    return completions.overfit_checkpoint(live, KEYS, MODEL, data, "r")
 
 
 def chat(live: LiveServer, status: int = 200, **body: Any) -> dict[str, Any]:
-    with completions.inference(live, "alice", KEYS) as http:
-        response = http.post(ROUTE, json={"max_tokens": 24, "temperature": 0, **body})
-    assert response.status_code == status, response.text
-    out: dict[str, Any] = response.json()
-    return out
+    return completions.greedy_chat(live, KEYS, status, {"max_tokens": 24, **body})
 
 
 def test_a_reply_in_channels_is_split(live: LiveServer, model_dir: Path, reasoner: str) -> None:

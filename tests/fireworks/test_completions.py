@@ -77,6 +77,37 @@ def trained_checkpoint(http: httpx.Client, base: str, name: str) -> str:
     return path
 
 
+def overfit_checkpoint(
+    live: LiveServer, keys: dict[str, str], base: str, data: list[dict[str, Any]], name: str
+) -> str:
+    """Alice's LoRA sampler checkpoint of `base` trained with cross entropy on `data` through
+    the Tinker routes until it says it greedily (the chat tests' models that call tools or
+    reason): its tinker path."""
+    with tinker(live, "alice", keys) as http:
+        session = th.new_session(http)
+        body = {"session_id": session, "model_seq_id": 0, "base_model": base}
+        body["lora_config"] = {"rank": 8, "seed": 0}
+        model_id = th.ok(http, "/create_model", body)["model_id"]
+        fb = {"data": data, "loss_fn": "cross_entropy"}
+        for _ in range(30):
+            th.ok(http, "/forward_backward", {"model_id": model_id, "forward_backward_input": fb})
+            th.ok(http, "/optim_step", th.optim_body(model_id, lr=1e-2))
+        saved = th.ok(http, "/save_weights_for_sampler", {"model_id": model_id, "path": name})
+    return str(saved["path"])
+
+
+def greedy_chat(
+    live: LiveServer, keys: dict[str, str], status: int, body: dict[str, Any]
+) -> dict[str, Any]:
+    """Alice's greedy chat of `body` (temperature 0 unless it says otherwise): the answer,
+    after its status is checked."""
+    with inference(live, "alice", keys) as http:
+        response = http.post("/inference/v1/chat/completions", json={"temperature": 0, **body})
+    assert response.status_code == status, response.text
+    out: dict[str, Any] = response.json()
+    return out
+
+
 @pytest.fixture(scope="module")
 def checkpoints(live: LiveServer) -> dict[str, str]:
     """base model -> alice's trained sampler checkpoint (tinker path)."""
