@@ -28,7 +28,7 @@ from trainer.checkpoint.store import (
     write_json,
 )
 from trainer.compute import optim
-from trainer.compute.model import read_model_weights, save_merged
+from trainer.compute.model import read_weights_as, save_merged
 from trainer.contract.specs import LoraConfig
 
 if TYPE_CHECKING:
@@ -269,12 +269,14 @@ def read_sharded(directory: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def read_directory(source: Path, adapter: bool) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
+def read_directory(
+    source: Path, adapter: bool, model: Any, trust_remote_code: bool
+) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
     """A PEFT adapter directory (its LoRA config and tensors, in PEFT's naming or Tinker's)
-    or a full model directory (the default config and its weights): an inference checkpoint's,
-    an adapter export's or a Hugging Face one."""
+    or a full model directory (the default config and its weights under `model`'s names): an
+    inference checkpoint's, an adapter export's or a Hugging Face one."""
     if not adapter:
-        return LoraConfig(), read_model_weights(source)
+        return LoraConfig(), read_weights_as(model, source, trust_remote_code)
     raw = json.loads((source / "adapter_config.json").read_text())
     targets = raw.get("target_modules")
     names = [targets] if isinstance(targets, str) else list(targets or [])

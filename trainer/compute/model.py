@@ -320,6 +320,40 @@ def read_model_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
+def read_weights_as(
+    model: Any, model_dir: Path, trust_remote_code: bool
+) -> dict[str, torch.Tensor]:
+    """A full model directory's weights under `model`'s own parameter names (docs/semantics.md
+    §16). This worker's exports store those names, as do most checkpoints. Others store a
+    family's checkpoint names, which transformers converts as it loads (per-expert MoE weights
+    fused into stacks, a composite's legacy prefixes): such a directory is loaded by
+    transformers, as `model`'s class on the CPU, and refused when it lacks a weight or holds one
+    of another shape. A tied head may be absent (it is read from the embedding)."""
+    weights = read_model_weights(model_dir)
+    head = f"{head_attr(model)}.weight"
+    names = [name for name, _ in model.named_parameters()]
+    if all(name in weights or name == head for name in names):
+        return weights
+    with COMPUTE_LOCK:  # a load swaps process-global state (the module docstring)
+        try:
+            loaded, info = type(model).from_pretrained(
+                model_dir,
+                dtype="auto",
+                trust_remote_code=trust_remote_code,
+                output_loading_info=True,
+            )
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise ValueError(f"{model_dir}: weights do not load as this model: {exc}") from None
+    missing = sorted(info["missing_keys"])
+    mismatched = sorted(k[0] if isinstance(k, tuple) else str(k) for k in info["mismatched_keys"])
+    if missing or mismatched:
+        raise ValueError(
+            f"{model_dir}: weights do not match this model "
+            f"(missing {missing[:3]}, of other shapes {mismatched[:3]})"
+        )
+    return {name: tensor.detach() for name, tensor in loaded.state_dict().items()}
+
+
 def is_adapter_dir(path: Path) -> bool:
     return (path / "adapter_config.json").exists()
 

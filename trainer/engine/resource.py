@@ -27,7 +27,7 @@ from trainer.compute.model import (
     is_adapter_dir,
     is_tied,
     local_dir,
-    read_model_weights,
+    read_weights_as,
     with_context_limit,
 )
 from trainer.compute.moe_replay import routing_shape
@@ -232,7 +232,7 @@ class ModelResource:
         if self._base_tied and not is_tied(self.model):
             _retie_head(self.model)
         source = self._base_dir or local_dir(self.entry.location, self.entry.revision)
-        weights = read_model_weights(source)
+        weights = read_weights_as(self.model, source, self.entry.trust_remote_code)
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, param in params.items():
@@ -312,7 +312,12 @@ class ModelResource:
         adapter = is_adapter_dir(source)
         if self.lora and not adapter:
             raise invalid(field, "a LoRA resource resumes from a PEFT adapter directory")
-        lora_config, weights = layout.read_directory(source, adapter)
+        try:
+            lora_config, weights = layout.read_directory(
+                source, adapter, self.model, self.entry.trust_remote_code
+            )
+        except (OSError, ValueError) as exc:
+            raise invalid(field, str(exc)) from None
         self._check_rank(lora_config, field, f"{source.name}: the adapter's ")
         if self.lora:
             untie = False
