@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.models.conformance import save
+from tests.models.conformance import EXTRA, save
 from trainer.compute import architecture, selfcheck
 from trainer.compute.architecture import PACKED, ROWS
 from trainer.compute.attention import use_packed_sdpa
@@ -107,3 +107,17 @@ def test_layer_windows_read_from_either_transformers_shape(monkeypatch) -> None:
     one = {"sliding_window": 4, "number_of_states": 1}
     monkeypatch.setattr(cache_utils, "get_layer_types_and_kwargs", lambda c: (types[:2], one))
     assert architecture.layer_types(None) == (types[:2], [4, None])
+
+
+@pytest.mark.parametrize(("family", "refused"), [("minimax", True), ("smollm3", False)])
+def test_left_padding_is_checked_in_a_short_context(family: str, refused: bool) -> None:
+    """A context shorter than the probes clamps them to one length, which pads nothing: the
+    check still left-pads one of them, so MiniMax's leak is found there too."""
+    model = EXTRA[family]()
+    model.config.max_position_embeddings = 10
+    assert len(set(selfcheck.probe_lengths(selfcheck.describe(model), 10))) == 1
+    if refused:
+        with pytest.raises(selfcheck.ModelRefused, match="left-pads the prompts"):
+            selfcheck.prove(model)
+    else:
+        selfcheck.prove(model)

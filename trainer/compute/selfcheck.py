@@ -166,6 +166,9 @@ def check_left_padding(model: Any, arch: Architecture, sequences: list[torch.Ten
     layer that lets left padding into its state); returns the difference."""
     from trainer.compute.sampler import cache_kwarg, decode_step, given_mask, left_padded
 
+    if len({len(seq) for seq in sequences}) == 1 and len(sequences[0]) > 2:
+        # lengths clamped to a short context are all one: one shorter prompt makes the padding
+        sequences = [sequences[0][: len(sequences[0]) // 2 + 1], *sequences[1:]]
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     rows = [[int(t) for t in seq[:-1]] for seq in sequences]
     ids, mask, positions = left_padded(rows, device)
