@@ -232,7 +232,7 @@ def describe(model: Any) -> Architecture:
         head=head_transform(model),
         attn_implementation=attn,
         candidates=(PACKED, ROWS) if packable else (ROWS,),
-        experts=describe_experts(config),
+        experts=describe_experts(config) if _holds_experts(model) else None,
         latent_attention=bool(getattr(config, "kv_lora_rank", None)),
     )
 
@@ -244,6 +244,13 @@ def describe_experts(config: Any) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool) and value > 1:
             return value
     return None
+
+
+def _holds_experts(model: Any) -> bool:
+    """Whether any layer holds routed experts (transformers' `*Experts` modules): a hybrid
+    config may declare experts that its layer pattern never builds."""
+    names = {type(module).__name__ for module in model.modules()}
+    return any(name.endswith("Experts") and "Shared" not in name for name in names)
 
 
 def needs_eager(model: Any) -> str | None:
