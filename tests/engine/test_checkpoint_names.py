@@ -109,3 +109,23 @@ def test_a_directory_missing_an_expert_is_refused_and_leaves_no_session(
     assert resource.sessions == {}
     session = resource.create_session("b", SessionSpec())  # the resource is unharmed
     _assert_equal(weights_of(session), _reference("qwen3_moe", bases["qwen3_moe"]))
+
+
+@pytest.mark.parametrize("damage", ["no weights", "no rank", "not json"])
+def test_an_unreadable_directory_is_a_refusal_naming_the_field(
+    damage: str, bases: dict[str, Path], tmp_path: Path
+) -> None:
+    directory = tmp_path / "damaged"
+    directory.mkdir()
+    if damage == "no weights":
+        (directory / "config.json").write_text("{}")
+    else:
+        config = "{" if damage == "not json" else '{"lora_alpha": 16, "target_modules": []}'
+        (directory / "adapter_config.json").write_text(config)
+    resource = make_resource(bases["llama"], tmp_path / "storage", lora=False)
+    with pytest.raises(OperationError, match=r"^resume_from_hf_checkpoint") as info:
+        resource.create_session("a", SessionSpec(resume_from_hf_checkpoint=str(directory)))
+    assert info.value.code == "INVALID_INPUT"
+    if damage == "no rank":
+        assert "'r'" in info.value.message
+    assert resource.sessions == {}

@@ -316,6 +316,8 @@ class ModelResource:
             lora_config, weights = layout.read_directory(
                 source, adapter, self.model, self.entry.trust_remote_code
             )
+        except KeyError as exc:
+            raise invalid(field, f"{source.name}: its files lack {exc}") from None
         except (OSError, ValueError) as exc:
             raise invalid(field, str(exc)) from None
         self._check_rank(lora_config, field, f"{source.name}: the adapter's ")
