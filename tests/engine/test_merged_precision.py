@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DeepseekV3ForCausalLM
 
 from tests.engine.helpers import make_resource, random_batch
 from trainer.contract.specs import AdamParams, LoraConfig, LossConfig, SessionSpec
@@ -60,7 +60,9 @@ def test_a_bf16_export_is_the_merge_rounded_once(
     rounded = session.save_inference_checkpoint(merged=True, precision="bf16")
     want, got = _merged(exact), _merged(rounded)
     assert want.keys() == got.keys()
-    kept = [name for name in got if name.endswith(("mlp.gate.weight", "e_score_correction_bias"))]
+    # what the class keeps in float32 at 16 bits (transformers 5.17 keeps the bias alone)
+    strict = {"deepseek_v3": DeepseekV3ForCausalLM._keep_in_fp32_modules_strict}
+    kept = [name for name in got if any(k in name for k in strict.get(family, ()))]
     assert bool(kept) == (family == "deepseek_v3")
     for name, tensor in want.items():
         assert tensor.dtype == torch.float32, name
