@@ -33,7 +33,7 @@ WHEELS=(
   opentelemetry-api==1.45.2
   orjson==3.13.0
   pyrage==1.4.0
-  peft==0.21.2
+  peft==0.22.0
   # the SDK client: together[tinker]==3.1.1 and what it needs beyond the device's packages
   together==3.1.1
   tinker==0.23.1

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_rehearsal_runs_every_step(tmp_path: Path) -> None:
-    env = {**os.environ, "OUT": str(tmp_path)}
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}  # this suite's own
     done = subprocess.run(
         ["bash", "scripts/gpu_proof.sh", "--rehearse"],
         cwd=REPO,
