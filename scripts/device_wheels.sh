@@ -33,6 +33,7 @@ WHEELS=(
   opentelemetry-api==1.45.2
   orjson==3.13.0
   pyrage==1.4.0
+  llguidance==1.9.1
   peft==0.22.0
   # the SDK client: together[tinker]==3.1.1 and what it needs beyond the device's packages
   together==3.1.1
@@ -50,7 +51,8 @@ WHEELS=(
   hpack==4.2.0
   hyperframe==6.1.0
 )
-PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
+PLATFORMS=(--platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64
+  --platform manylinux_2_17_x86_64
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 
 download() {  # download DEST PYVERSION SPEC...

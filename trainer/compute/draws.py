@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from trainer.contract.errors import OperationError
+from trainer.contract.errors import OperationError, invalid
 from trainer.contract.specs import STOP_CANCELLED, STOP_LENGTH, STOP_STOP, SamplingParams
 
 StopCheck = Callable[[list[int]], bool]
@@ -58,10 +58,24 @@ class DecodeJob:
     record_routed_experts: bool = False
     sampling_logprobs: bool = False
     watch: SampleWatch | None = None
+    grammar: RowGrammar | None = None
 
     @property
     def rows(self) -> int:
         return len(self.prompts) * self.num_samples
+
+
+class RowGrammar(Protocol):
+    """What a job's rows may draw (`trainer/compute/grammar.py`): `allowed(done)` before each
+    draw (`[rows, vocab]` bool on the host), `take(r, token)` after it (an error message when
+    the row's matcher refuses the token). `field`: the request field an error names."""
+
+    @property
+    def field(self) -> str: ...
+
+    def allowed(self, done: list[bool]) -> torch.Tensor: ...
+
+    def take(self, r: int, token: int) -> str | None: ...
 
 
 class SampleWatch(Protocol):
@@ -158,10 +172,18 @@ class Draws:
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
         if self.generator is None:
             self.generator = torch.Generator(device=logits.device).manual_seed(self.job.seed)
-        chosen, self.drawn_from = _choose(
-            logits[self.start : self.end], self.job.params, self.generator
-        )
+        rows = logits[self.start : self.end]
+        grammar = self.job.grammar
+        if grammar is not None:  # the tokens outside the grammar masked out
+            allowed = grammar.allowed(self.done)
+            if not all(allowed.any(-1).tolist()):  # a host tensor: no device sync
+                self._fail(grammar.field, "no token of this model continues the grammar here")
+            rows = rows.masked_fill(~allowed.to(rows.device, non_blocking=True), float("-inf"))
+        chosen, self.drawn_from = _choose(rows, self.job.params, self.generator)
         return chosen
+
+    def _fail(self, field: str, why: str) -> None:
+        self.error, self.finished = invalid(field, why), True
 
     def columns(
         self, finite_S: torch.Tensor, logprobs_S_V: torch.Tensor, chosen_S: torch.Tensor
@@ -189,6 +211,8 @@ class Draws:
         was its last. False (and the job failed, alone) when a running row's logits were not
         finite: its rows then take nothing."""
         job, width, k = self.job, self.width, self.job.params.top_logprobs
+        if self.error is not None:  # failed at its draw (`choose`)
+            return False
         rows = [values[r * width : (r + 1) * width] for r in range(job.rows)]
         if not all(row[0] for row, done in zip(rows, self.done, strict=True) if not done):
             self.error, self.finished = non_finite_logits(), True
@@ -204,6 +228,12 @@ class Draws:
             if k > 0:
                 ids = [int(t) for t in row[-2 * k : -k]]
                 seq.top_logprobs.append({"token_ids": ids, "logprobs": row[-k:]})
+            if token not in job.eos_ids and job.grammar is not None:
+                refused = job.grammar.take(r, token)
+                if refused is not None:
+                    self.error = OperationError("INTERNAL_ERROR", f"the grammar: {refused}")
+                    self.finished = True
+                    return False
             if token in job.eos_ids or (job.stop_hit is not None and job.stop_hit(seq.tokens)):
                 seq.stop_reason = STOP_STOP
                 self.done[r] = True

@@ -13,10 +13,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from trainer.compute.grammar import Compiled
 from trainer.compute.moe_replay import expert_count
 from trainer.compute.prompt_scores import ExtraScores, PromptExtras
 from trainer.compute.sampler import DecodeJob, SampleWatch, Sequence, StopCheck, draw_seed
 from trainer.contract.errors import invalid
+from trainer.contract.grammar import OutputGrammar
 from trainer.contract.routing import encode
 from trainer.contract.rules import (
     Limits,
@@ -88,6 +90,7 @@ class SampleCall:
     target_prompt_ids: list[list[list[int]]] | None = None
     prompt_alt_tokens_k: int = 0
     watch: SampleWatch | None = None
+    grammar: Compiled | None = None  # what the samples' text must match (§17.2)
 
     @property
     def rows(self) -> int:
@@ -131,6 +134,7 @@ class SampleCall:
             record_routed_experts=self.records_routes,
             sampling_logprobs=self.sampling_logprobs,
             watch=self.watch,
+            grammar=None if self.grammar is None else self.grammar.rows(self.rows),
         )
 
 
@@ -217,6 +221,7 @@ class Generator(abc.ABC):
         target_prompt_ids: list[list[list[int]]] | None = None,
         prompt_alt_tokens_k: int = 0,
         watch: SampleWatch | None = None,
+        grammar: OutputGrammar | None = None,
     ) -> SampleCall:
         """A sample call, validated (INVALID_INPUT naming the field) before any state moves."""
         self.require()
@@ -225,11 +230,18 @@ class Generator(abc.ABC):
         check_alt_k(prompt_alt_tokens_k)
         vocab = self.resource.vocab_size
         check_target_ids(target_prompt_ids, [len(p) for p in prompts], vocab)
+        eos_ids = self.resource.eos_ids | set(params.stop_token_ids)
+        compiled = None
+        if grammar is not None:
+            try:
+                compiled = Compiled(grammar, self.resource.tokenizer, vocab, eos_ids)
+            except ValueError as exc:
+                raise invalid(grammar.field, str(exc).removeprefix(f"{grammar.field}: ")) from None
         return SampleCall(
             prompts=prompts,
             num_samples=num_samples,
             params=params,
-            eos_ids=self.resource.eos_ids | set(params.stop_token_ids),
+            eos_ids=eos_ids,
             stop_hit=self._stop_checker(params.stop),
             prompt_logprobs=prompt_logprobs,
             topk_prompt_logprobs=topk_prompt_logprobs,
@@ -241,6 +253,7 @@ class Generator(abc.ABC):
             target_prompt_ids=target_prompt_ids,
             prompt_alt_tokens_k=prompt_alt_tokens_k,
             watch=watch,
+            grammar=compiled,
         )
 
     def require(self) -> None:

@@ -26,6 +26,7 @@ from trainer.compute.policy import LoraPolicy, Policy, cuda_devices
 from trainer.compute.sampler import SampleWatch  # at run time: spmd reads the signature
 from trainer.contract.embeddings import EmbeddingObjective
 from trainer.contract.errors import OperationError, invalid
+from trainer.contract.grammar import OutputGrammar
 from trainer.contract.muon_params import MuonParams
 from trainer.contract.optimizer import optimizer_kind
 from trainer.contract.options import EngineOptions
@@ -348,11 +349,13 @@ class TrainingSession(GradKeeping):
         prompt_alt_tokens_k: int = 0,
         watch: SampleWatch | None = None,
         return_routing_matrices: bool = False,
+        grammar: OutputGrammar | None = None,
     ) -> dict[str, Any]:
         """`prompt_logprobs_last_n`: the Tinker face's; the RL session API never sends it.
         `watch`: a caller's view of the running generation (`sampler.SampleWatch`), never on
         a wire. `return_routing_matrices`: the completions face's; each sequence's routes
-        inline (docs/semantics.md §12), refused on a dense model."""
+        inline (docs/semantics.md §12), refused on a dense model. `grammar`: what the
+        samples' text must match (§17.2; the completions face's `response_format`)."""
         if return_routing_matrices and routing_shape(self.policy.model) is None:
             raise invalid(
                 "return_routing_matrices",
@@ -372,6 +375,7 @@ class TrainingSession(GradKeeping):
             prompt_alt_tokens_k=prompt_alt_tokens_k,
             watch=watch,
             return_routing_matrices=return_routing_matrices,
+            grammar=grammar,
         )
         return self.generator.sample(self, call)
 

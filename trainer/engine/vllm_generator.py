@@ -10,8 +10,10 @@ serve swaps the copy back and pushes it again. What the copy serves besides: pro
 logprobs and the other prompt-side asks (target ids, draws: teacher-forced on the published
 weights, as in-process), and samples that record
 MoE routes (`return_routed_experts`), which run on the in-process loop (this vLLM version
-returns no routed experts), and every sample of a LoRA session whose adapter vLLM refuses for
-this family (an output-head or embedding adapter, say: `train_unembed`), logged and listed in
+returns no routed experts), constrained samples (`grammar`, docs/semantics.md §17.2), which run
+there too so that every backend masks the same way, and every sample of a LoRA session whose
+adapter vLLM refuses for this family (an output-head or embedding adapter, say:
+`train_unembed`), logged and listed in
 `status_details.generator.in_process_sessions` (`replica_check.py`).
 
 A sample holds the resource's lock only to apply a pending publish, draw its seed and compute
@@ -178,7 +180,7 @@ class VllmGenerator(InProcessGenerator):
     # -- samples ---------------------------------------------------------------------------
 
     def sample(self, session: SamplingSession, call: SampleCall) -> dict[str, Any]:
-        if call.records_routes or self.in_process:  # (the module docstring)
+        if call.records_routes or call.grammar is not None or self.in_process:  # (docstring)
             return sample_alone(session, call)
         _check_servable(call)
         rng_before = session.cpu_rng.clone()

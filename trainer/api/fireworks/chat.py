@@ -52,7 +52,6 @@ EFFORTS = ("low", "medium", "high")
 NOT_SERVED = {
     "functions": "the legacy function fields are not served; send tools",
     "function_call": "the legacy function fields are not served; send tools",
-    "response_format": "constrained decoding (JSON mode, schemas, grammars) is not served",
     "reasoning_effort": REASONING,
     "thinking": REASONING,
 }
@@ -153,7 +152,7 @@ def parse_chat(raw: dict[str, Any]) -> tuple[CompletionRequest, ChatShape]:
     """The chat request checked field by field: the completion it is, and its shape."""
     for name, why in NOT_SERVED.items():
         value = raw.get(name)
-        if value is None or (name == "response_format" and value == {"type": "text"}):
+        if value is None:
             continue
         if thinking_off(name, value) or (name == "reasoning_effort" and value in EFFORTS):
             continue
@@ -261,6 +260,12 @@ class ChatShape:
                 raise bad_request(f"reasoning_effort: not served: {REASONING}", "reasoning_effort")
             switch["reasoning_effort"] = self.effort
         self.harmony = Harmony.of(tokenizer, entry.name)
+        if self.harmony is not None and req.response_format is not None:
+            raise bad_request(
+                f"response_format: {entry.name} replies in harmony channels, whose structural "
+                "tokens a grammar cannot allow; constrained decoding is not served for it",
+                "response_format",
+            )
         try:
             self.rendered = str(
                 tokenizer.apply_chat_template(

@@ -164,7 +164,7 @@ def _prepare(
             "routes this worker records",
             "include_routing_matrix",
         )
-    extra = {"watch": watch, **_routes(req)}
+    extra = {"watch": watch, **_extras(req)}
     vocab = vocab_size_of(worker, target.base_model)
     body = engine_body(req, prompt)
     try:
@@ -176,7 +176,11 @@ def _prepare(
     key = None
     if req.seed is None:  # a seeded request's draws are its seed's alone
         settings = {k: v for k, v in body.items() if k != "model_inputs"}
-        key = json.dumps([target.session_id, user, settings, _routes(req)], sort_keys=True)
+        grammar = req.response_format
+        shape_of = None if grammar is None else [grammar.kind, grammar.text]
+        key = json.dumps(
+            [target.session_id, user, settings, _routes(req), shape_of], sort_keys=True
+        )
     tokens = Tokens(tokenizer)
     return Prepared(req, target, prompt, call, tokens, body, entry, vocab, watch, key, shape)
 
@@ -184,6 +188,13 @@ def _prepare(
 def _routes(req: CompletionRequest) -> dict[str, Any]:
     """The engine's ask for each sequence's routes inline (R3), when the request asks."""
     return {"return_routing_matrices": True} if req.routing_matrix else {}
+
+
+def _extras(req: CompletionRequest) -> dict[str, Any]:
+    """The sample's engine arguments beyond its body: the routes (R3) and the grammar the
+    text must match (`response_format`), when the request asks."""
+    grammar = {} if req.response_format is None else {"grammar": req.response_format}
+    return {**_routes(req), **grammar}
 
 
 def engine_error(error: dict[str, Any]) -> ApiError:
@@ -234,7 +245,7 @@ def sample(worker: Worker, members: list[Prepared]) -> dict[str, Any]:
     if len(members) > 1:
         body = {**first.body, "model_inputs": [m.body["model_inputs"][0] for m in members]}
         watch = FanOut([m.watch for m in members], first.req.n)
-        extra = {"watch": watch, **_routes(first.req)}
+        extra = {"watch": watch, **_extras(first.req)}
         tokenizer_known = first.tokens.tokenizer is not None
         call = validated_call(
             OPERATIONS["sample"], body, first.entry, None, first.vocab, extra, tokenizer_known

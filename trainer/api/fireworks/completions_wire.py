@@ -9,6 +9,8 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from trainer.api.fireworks.response_format import parse_response_format
+from trainer.contract.grammar import OutputGrammar
 from trainer.contract.routing import FORMAT as ROUTING_FORMAT
 from trainer.contract.specs import STOP_CANCELLED, STOP_LENGTH, STOP_STOP
 from trainer.serving.errors import ApiError, bad_request
@@ -64,6 +66,7 @@ class CompletionRequest:
     perf_metrics: bool = False
     # R3: each logprob row's MoE experts (`routing_matrix`, docs/semantics.md §12)
     routing_matrix: bool = False
+    response_format: OutputGrammar | None = None  # docs/semantics.md §17.2
 
     @property
     def drawn(self) -> int:
@@ -229,6 +232,7 @@ def parse_request(req: dict[str, Any]) -> CompletionRequest:
         stream=_bool(req, "stream"),
         perf_metrics=_bool(req, "perf_metrics_in_response"),
         routing_matrix=routing,
+        response_format=parse_response_format(req.get("response_format")),
     )
 
 

@@ -1,0 +1,124 @@
+"""Constrained decoding (docs/semantics.md §17.2): an `OutputGrammar` compiled against the
+model's tokenizer with llguidance, and one matcher per row that says, before each draw, which
+tokens may come next.
+
+A row draws from its logits with every other token masked out (then temperature, top-k and
+top-p as usual), and its matcher takes the token it drew. The end-of-sequence ids are allowed
+exactly when the text so far is complete; a row whose text can go no further then draws one of
+them. The mask is built on the host (llguidance computes it there) and copied to the logits'
+device once per step for the job's rows; the token each row drew comes back in the step's one
+copy to the host (`trainer/compute/draws.py`), which the matchers then take.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from trainer.contract.grammar import OutputGrammar
+
+# a Hugging Face tokenizer -> ((vocabulary, end ids), its llguidance tokenizer): about 1 s
+_TOKENIZERS: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+
+
+class Compiled:
+    """A grammar checked against one model's tokenizer and vocabulary; `rows(n)` makes the
+    matchers of a generation's `n` rows."""
+
+    def __init__(self, spec: OutputGrammar, tokenizer: Any, vocab: int, eos_ids: set[int]):
+        import llguidance
+
+        self.spec, self.vocab, self.eos_ids = spec, vocab, sorted(eos_ids)
+        self.tokenizer = _llg_tokenizer(tokenizer, vocab, self.eos_ids, spec.field)
+        self.grammar = _grammar(spec)
+        try:
+            error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+                self.grammar, self.tokenizer
+            )
+        except Exception as exc:  # llguidance raises plain Exception on a bad rule
+            error, messages = True, [str(exc)]
+        if error:
+            raise ValueError(f"{spec.field}: {'; '.join(messages)[:500]}")
+
+    def rows(self, n: int) -> GrammarRows:
+        return GrammarRows(self, n)
+
+
+class GrammarRows:
+    """The matchers of one generation's rows (`DecodeJob.grammar`)."""
+
+    def __init__(self, compiled: Compiled, rows: int) -> None:
+        import llguidance
+
+        self.compiled = compiled
+        self.matchers = [
+            llguidance.LLMatcher(compiled.tokenizer, compiled.grammar, log_level=0)
+            for _ in range(rows)
+        ]
+
+    @property
+    def field(self) -> str:
+        return self.compiled.spec.field
+
+    def allowed(self, done: list[bool]) -> torch.Tensor:
+        """`[rows, vocab]` bool on the host: the tokens each running row may draw next (a
+        finished row: every token; its draw is not read)."""
+        vocab = self.compiled.vocab
+        mask = torch.ones(len(self.matchers), vocab, dtype=torch.bool)
+        for r, matcher in enumerate(self.matchers):
+            if done[r]:
+                continue
+            bias = torch.frombuffer(bytearray(matcher.compute_logit_bias()), dtype=torch.uint8)
+            allowed = bias[:vocab] > 0
+            mask[r] = False
+            mask[r, : allowed.shape[0]] = allowed
+            mask[r, self.compiled.eos_ids] = matcher.is_accepting()
+        return mask
+
+    def take(self, r: int, token: int) -> str | None:
+        """Row `r` drew `token` (not an end-of-sequence id); an error message when its matcher
+        refuses it (it allowed it: never expected)."""
+        matcher = self.matchers[r]
+        if matcher.consume_token(token):
+            return None
+        return matcher.get_error() or f"token {token} does not continue the grammar"
+
+
+def _llg_tokenizer(tokenizer: Any, vocab: int, eos_ids: list[int], field: str) -> Any:
+    """The model's tokenizer as llguidance reads it, ending at `eos_ids` (built once per
+    tokenizer and end ids)."""
+    if tokenizer is None:
+        raise ValueError(f"{field}: constrained decoding needs a tokenizer and this model has none")
+    if not eos_ids:
+        raise ValueError(f"{field}: constrained decoding needs an end-of-sequence token")
+    key = (vocab, tuple(eos_ids))
+    cached = _TOKENIZERS.get(tokenizer)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    import llguidance.hf
+
+    try:
+        size = max(vocab, len(tokenizer))
+        built = llguidance.hf.from_tokenizer(tokenizer, n_vocab=size, eos_token=eos_ids)
+    except (ValueError, TypeError, AssertionError) as exc:  # e.g. a word-level tokenizer
+        raise ValueError(
+            f"{field}: this model's tokenizer cannot be read for constrained decoding "
+            f"(llguidance: {exc})"
+        ) from None
+    _TOKENIZERS[tokenizer] = (key, built)
+    return built
+
+
+def _grammar(spec: OutputGrammar) -> str:
+    """The llguidance grammar of `spec` (a ValueError naming its field when it does not parse)."""
+    import llguidance
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    try:
+        if spec.kind == "json_schema":
+            return str(llguidance.LLMatcher.grammar_from_json_schema(spec.text))
+        return str(llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(spec.text)))
+    except Exception as exc:  # the converter raises plain Exception on bad text
+        raise ValueError(f"{spec.field}: {str(exc)[:500]}") from None
