@@ -176,7 +176,7 @@ print(f"every requirement met: {len(seen)} distributions")
 EOF
 # 4. the server, the SDK and the CLI import; a small test and the gpu tests' collection run
 "$PY" -c "import trainer.api.app, trainer.cli, together, tinker, fastapi, uvicorn, peft, pyrage, \
-orjson; print('imports ok: together', together.__version__, 'fastapi', fastapi.__version__)"
+orjson, llguidance.hf; print('imports ok: together', together.__version__, 'fastapi', fastapi.__version__)"
 "$PY" -m trainer --help > /dev/null
 "$PY" -m pytest -q -p no:cacheprovider tests/test_imports.py tests/test_tiny.py
 "$PY" -m pytest -q -p no:cacheprovider --collect-only tests/engine tests/perf tests/api | tail -1
