@@ -21,7 +21,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from benchmarks.host_transfers import HostTransfers
 from tests.engine.helpers import make_resource, model_input
+from trainer.compute import sampler
+from trainer.compute.attention import use_packed_sdpa
+from trainer.compute.grammar import Compiled, GrammarRows
 from trainer.contract.errors import OperationError
 from trainer.contract.grammar import OutputGrammar
 from trainer.contract.specs import STOP_STOP, LoraConfig, SamplingParams, SessionSpec
@@ -223,3 +227,45 @@ def test_a_grammar_that_does_not_compile_is_a_refusal_naming_the_field(
     with pytest.raises(OperationError, match=rf"^{message}: ") as info:
         session.sample([model_input([5, 6])], grammar=grammar)
     assert info.value.code == "INVALID_INPUT"
+
+
+class _Blank(GrammarRows):
+    """The real matchers, with every token masked out: a vocabulary that cannot continue the
+    text (which no tokenizer here can be made to show)."""
+
+    def allowed(self, done: list[bool], device: torch.device) -> torch.Tensor:
+        return torch.zeros_like(super().allowed(done, device))
+
+
+@torch.no_grad()
+def test_a_constrained_job_batches_with_others_at_one_copy_per_step(model_dir: Path) -> None:
+    """One generation of a plain job, a constrained one and one whose rows can draw nothing:
+    still one host copy per step; the plain job draws what it draws alone, the constrained
+    one sentences of the grammar, and the third fails alone, naming the field."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    use_packed_sdpa(model)
+    compiled = Compiled(OutputGrammar("gbnf", GBNF), tokenizer, model.config.vocab_size, {EOS})
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=1)
+
+    def job(seed: int, grammar: Any = None, rows: int = 2) -> sampler.DecodeJob:
+        prompt = tokenizer.encode("hello world" if grammar is None else "maybe")
+        return sampler.DecodeJob([prompt], rows, params, {EOS}, seed, grammar=grammar)
+
+    told: dict[int, OperationError | None] = {}
+
+    def report(i: int, _groups: Any, error: OperationError | None) -> None:
+        told[i] = error
+
+    jobs = [job(21), job(22, compiled.rows(3), 3), job(23, _Blank(compiled, 2))]
+    with HostTransfers() as transfers:
+        groups = sampler.generate(model, jobs, forward=transfers.stepping(model), report=report)
+    assert max(transfers.per_step) <= 1 and transfers.total == transfers.steps
+    (alone,) = sampler.generate(model, [job(21)])
+    assert [s.tokens for s in groups[0][0]] == [s.tokens for s in alone[0]]
+    for seq in groups[1][0]:
+        assert seq.tokens[-1] == EOS and tokenizer.decode(seq.tokens[:-1]) in LANGUAGE
+    assert told[0] is None and told[1] is None
+    failed = told[2]
+    assert failed is not None and failed.code == "INVALID_INPUT"
+    assert failed.message.startswith("response_format: no token of this model continues")

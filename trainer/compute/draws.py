@@ -66,14 +66,15 @@ class DecodeJob:
 
 
 class RowGrammar(Protocol):
-    """What a job's rows may draw (`trainer/compute/grammar.py`): `allowed(done)` before each
-    draw (`[rows, vocab]` bool on the host), `take(r, token)` after it (an error message when
-    the row's matcher refuses the token). `field`: the request field an error names."""
+    """What a job's rows may draw (`trainer/compute/grammar.py`): `allowed(done, device)`
+    before each draw (`[rows, vocab]` bool on the device), `take(r, token)` after it, end ids
+    included (a message when the row's matcher refuses the token: no token was allowed).
+    `field`: the request field an error names."""
 
     @property
     def field(self) -> str: ...
 
-    def allowed(self, done: list[bool]) -> torch.Tensor: ...
+    def allowed(self, done: list[bool], device: torch.device) -> torch.Tensor: ...
 
     def take(self, r: int, token: int) -> str | None: ...
 
@@ -175,15 +176,9 @@ class Draws:
         rows = logits[self.start : self.end]
         grammar = self.job.grammar
         if grammar is not None:  # the tokens outside the grammar masked out
-            allowed = grammar.allowed(self.done)
-            if not all(allowed.any(-1).tolist()):  # a host tensor: no device sync
-                self._fail(grammar.field, "no token of this model continues the grammar here")
-            rows = rows.masked_fill(~allowed.to(rows.device, non_blocking=True), float("-inf"))
+            rows = rows.masked_fill(~grammar.allowed(self.done, rows.device), float("-inf"))
         chosen, self.drawn_from = _choose(rows, self.job.params, self.generator)
         return chosen
-
-    def _fail(self, field: str, why: str) -> None:
-        self.error, self.finished = invalid(field, why), True
 
     def columns(
         self, finite_S: torch.Tensor, logprobs_S_V: torch.Tensor, chosen_S: torch.Tensor
@@ -211,8 +206,6 @@ class Draws:
         was its last. False (and the job failed, alone) when a running row's logits were not
         finite: its rows then take nothing."""
         job, width, k = self.job, self.width, self.job.params.top_logprobs
-        if self.error is not None:  # failed at its draw (`choose`)
-            return False
         rows = [values[r * width : (r + 1) * width] for r in range(job.rows)]
         if not all(row[0] for row, done in zip(rows, self.done, strict=True) if not done):
             self.error, self.finished = non_finite_logits(), True
@@ -228,12 +221,8 @@ class Draws:
             if k > 0:
                 ids = [int(t) for t in row[-2 * k : -k]]
                 seq.top_logprobs.append({"token_ids": ids, "logprobs": row[-k:]})
-            if token not in job.eos_ids and job.grammar is not None:
-                refused = job.grammar.take(r, token)
-                if refused is not None:
-                    self.error = OperationError("INTERNAL_ERROR", f"the grammar: {refused}")
-                    self.finished = True
-                    return False
+            if job.grammar is not None and not self._grammar_takes(job.grammar, r, token):
+                return False
             if token in job.eos_ids or (job.stop_hit is not None and job.stop_hit(seq.tokens)):
                 seq.stop_reason = STOP_STOP
                 self.done[r] = True
@@ -242,6 +231,16 @@ class Draws:
         if watch is not None:
             self._watched(lambda: watch.step(self.sequences))
         return True
+
+    def _grammar_takes(self, grammar: RowGrammar, r: int, token: int) -> bool:
+        """Row `r`'s matcher takes its token; when it refuses (no token was allowed: the
+        vocabulary cannot continue the text) the job fails, alone, naming the field."""
+        refused = grammar.take(r, token)
+        if refused is None:
+            return True
+        why = f"no token of this model continues the grammar here ({refused})"
+        self.error, self.finished = invalid(grammar.field, why), True
+        return False
 
     def _watched(self, call: Callable[[], Any]) -> Any:
         """A call of the job's watch; one that raises fails this job alone."""

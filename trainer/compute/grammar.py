@@ -4,10 +4,11 @@ tokens may come next.
 
 A row draws from its logits with every other token masked out (then temperature, top-k and
 top-p as usual), and its matcher takes the token it drew. The end-of-sequence ids are allowed
-exactly when the text so far is complete; a row whose text can go no further then draws one of
-them. The mask is built on the host (llguidance computes it there) and copied to the logits'
-device once per step for the job's rows; the token each row drew comes back in the step's one
-copy to the host (`trainer/compute/draws.py`), which the matchers then take.
+exactly when the text so far is complete (llguidance is given them as its end tokens); a row
+whose text can go no further then draws one of them. The mask is built on the host (llguidance
+computes it there), one bit per token, and copied to the logits' device once per step for the
+job's rows, where it is unpacked; the token each row drew comes back in the step's one copy to
+the host (`trainer/compute/draws.py`), which the matchers then take.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class Compiled:
 
         self.spec, self.vocab, self.eos_ids = spec, vocab, sorted(eos_ids)
         self.tokenizer = _llg_tokenizer(tokenizer, vocab, self.eos_ids, spec.field)
+        self.size = max(vocab, len(tokenizer))  # the matchers' vocabulary: the mask's width
         self.grammar = _grammar(spec)
         try:
             error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
@@ -51,39 +53,48 @@ class GrammarRows:
 
     def __init__(self, compiled: Compiled, rows: int) -> None:
         import llguidance
+        import llguidance.torch
 
         self.compiled = compiled
         self.matchers = [
             llguidance.LLMatcher(compiled.tokenizer, compiled.grammar, log_level=0)
             for _ in range(rows)
         ]
+        self.bits = llguidance.torch.allocate_token_bitmask(rows, compiled.size)  # int32, host
 
     @property
     def field(self) -> str:
         return self.compiled.spec.field
 
-    def allowed(self, done: list[bool]) -> torch.Tensor:
-        """`[rows, vocab]` bool on the host: the tokens each running row may draw next (a
-        finished row: every token; its draw is not read)."""
-        vocab = self.compiled.vocab
-        mask = torch.ones(len(self.matchers), vocab, dtype=torch.bool)
+    def allowed(self, done: list[bool], device: torch.device) -> torch.Tensor:
+        """`[rows, vocab]` bool on `device`: the tokens each running row may draw next (a
+        finished row: every token; its draw is not read). Filled on the host one bit per token,
+        copied once, unpacked there; nothing is read back. A row with none allowed draws some
+        token, which `take` then refuses."""
+        import llguidance.torch
+
+        bits = self.bits
         for r, matcher in enumerate(self.matchers):
             if done[r]:
-                continue
-            bias = torch.frombuffer(bytearray(matcher.compute_logit_bias()), dtype=torch.uint8)
-            allowed = bias[:vocab] > 0
-            mask[r] = False
-            mask[r, : allowed.shape[0]] = allowed
-            mask[r, self.compiled.eos_ids] = matcher.is_accepting()
-        return mask
+                bits[r] = -1
+            else:
+                llguidance.torch.fill_next_token_bitmask(matcher, bits, r)
+        # from pinned memory the copy is queued; the step's copy back to the host, which the
+        # next fill waits for, comes after it on the stream, so the buffer is free by then
+        packed = bits.to(device, non_blocking=True)
+        shifts = torch.arange(32, dtype=torch.int32, device=device)
+        mask = ((packed[:, :, None] >> shifts) & 1).bool().view(len(self.matchers), -1)
+        return mask[:, : self.compiled.vocab]
 
     def take(self, r: int, token: int) -> str | None:
-        """Row `r` drew `token` (not an end-of-sequence id); an error message when its matcher
-        refuses it (it allowed it: never expected)."""
+        """Row `r` drew `token`: its matcher takes it (an end id: the text must be complete).
+        A message when it refuses it, which only a row with no token allowed can draw."""
         matcher = self.matchers[r]
+        if token in self.compiled.eos_ids:
+            return None if matcher.is_accepting() else f"token {token} ends an unfinished text"
         if matcher.consume_token(token):
             return None
-        return matcher.get_error() or f"token {token} does not continue the grammar"
+        return matcher.get_error() or f"token {token} does not continue it"
 
 
 def _llg_tokenizer(tokenizer: Any, vocab: int, eos_ids: list[int], field: str) -> Any:
@@ -100,7 +111,7 @@ def _llg_tokenizer(tokenizer: Any, vocab: int, eos_ids: list[int], field: str) -
     import llguidance.hf
 
     try:
-        size = max(vocab, len(tokenizer))
+        size = max(vocab, len(tokenizer))  # `Compiled.size`
         built = llguidance.hf.from_tokenizer(tokenizer, n_vocab=size, eos_token=eos_ids)
     except (ValueError, TypeError, AssertionError) as exc:  # e.g. a word-level tokenizer
         raise ValueError(
