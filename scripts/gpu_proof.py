@@ -88,6 +88,7 @@ def steps() -> list[Step]:
     decode = [PY, str(ROOT / "scripts" / "bench_decode.py")]
     grpo = [PY, str(ROOT / "scripts" / "gpu_grpo.py")]
     masters = [PY, str(ROOT / "scripts" / "bench_masters.py")]
+    grammar = [PY, str(ROOT / "scripts" / "bench_grammar.py")]
     cuda = {"TRAINER_TEST_DEVICE": "cuda"}
     return [
         Step("versions", 30, [PY, "-c", VERSIONS], [PY, "-c", VERSIONS]),
@@ -161,6 +162,13 @@ def steps() -> list[Step]:
             pytest("tests/models/test_conformance.py", "--collect-only"),
             env=cuda,
             junit=True,
+        ),
+        Step(
+            "grammar",
+            40,
+            [*grammar, *decode_gpu, "--batches", "1,8,64", "--tokens", "128", "--repeats", "1"],
+            [*grammar, *decode_cpu, "--batches", "1,8", "--tokens", "8", "--repeats", "1"],
+            json_out=True,
         ),
         Step(
             "masters",

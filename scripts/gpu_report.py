@@ -62,6 +62,30 @@ def _decode(figures: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _grammar(figures: dict[str, Any]) -> list[str]:
+    """The decode loop with and without a JSON Schema (`scripts/bench_grammar.py`)."""
+    lines = [
+        f"{figures['shape']}, {figures['dtype']}, attention {figures['attention']}; grammar "
+        f"compiled in {figures['grammar_setup_s']:.1f} s",
+        "",
+        "| arm | batch | tokens made | tokens/s | host transfers/step | grammar ÷ plain |",
+        "|---|---|---|---|---|---|",
+    ]
+    plain = {r["batch"]: r for r in figures["rows"] if r["arm"] == "plain"}
+    for row in figures["rows"]:
+        base = plain.get(row["batch"])
+        ratio = (
+            f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}x"
+            if row["arm"] != "plain" and base
+            else ""
+        )
+        lines.append(
+            f"| {row['arm']} | {row['batch']} | {row['tokens']:.0f} | {row['tokens_per_s']:,.0f} | "
+            f"{row['transfers_per_step']:.2f} | {ratio} |"
+        )
+    return lines
+
+
 def _grpo(figures: dict[str, Any]) -> list[str]:
     lines = [
         f"{figures['shape']}, {figures['dtype']}, LoRA r{figures['rank']}, group "
@@ -127,6 +151,8 @@ def report(data: dict[str, Any]) -> str:
             lines += [f"`decode` ({step['status']})", "", *_decode(step["figures"]), ""]
         elif name == "masters":
             lines += [*_masters(step["figures"]), ""]
+        elif name == "grammar":
+            lines += [f"`grammar` ({step['status']})", "", *_grammar(step["figures"]), ""]
         elif name == "grpo":
             lines += [f"`grpo` ({step['status']})", "", *_grpo(step["figures"]), ""]
         else:

@@ -44,6 +44,7 @@ def test_rehearsal_runs_every_step(tmp_path: Path) -> None:
         "grpo",
         "engine_tests_cuda",
         "conformance_cuda",
+        "grammar",
         "masters",
     }
     assert (tmp_path / "proof.log").stat().st_size > 0
@@ -83,6 +84,13 @@ def test_rehearsal_runs_every_step(tmp_path: Path) -> None:
         if row["arm"] == "device":  # the loop copies to the host once per decode step
             assert row["transfers_per_step"] <= 1, row
 
+    grammar = steps["grammar"]["figures"]
+    assert {(r["arm"], r["batch"]) for r in grammar["rows"]} == {
+        (arm, batch) for arm in ("plain", "grammar") for batch in (1, 8)
+    }
+    for row in grammar["rows"]:  # a constrained job too: one copy to the host per step
+        assert row["tokens_per_s"] > 0 and row["transfers_per_step"] <= 1, row
+
     # the figures print as BENCHMARKS.md rows (scripts/gpu_report.py), the GPU named
     table = subprocess.run(
         [sys.executable, "scripts/gpu_report.py", str(tmp_path / "figures.json")],
@@ -94,3 +102,4 @@ def test_rehearsal_runs_every_step(tmp_path: Path) -> None:
     assert table.startswith("GPU proof on CPU (rehearsal)")
     assert "| LoRA r32 |" in table and "| 1 |" in table and "failed" not in table
     assert "| full bf16, 1 layers |" in table
+    assert "| grammar | 8 |" in table
