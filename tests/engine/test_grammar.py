@@ -233,8 +233,8 @@ class _Blank(GrammarRows):
     """The real matchers, with every token masked out: a vocabulary that cannot continue the
     text (which no tokenizer here can be made to show)."""
 
-    def allowed(self, done: list[bool], device: torch.device) -> torch.Tensor:
-        return torch.zeros_like(super().allowed(done, device))
+    def bias(self, done: list[bool], device: torch.device) -> torch.Tensor:
+        return torch.full_like(super().bias(done, device), float("-inf"))
 
 
 @torch.no_grad()

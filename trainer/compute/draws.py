@@ -66,15 +66,15 @@ class DecodeJob:
 
 
 class RowGrammar(Protocol):
-    """What a job's rows may draw (`trainer/compute/grammar.py`): `allowed(done, device)`
-    before each draw (`[rows, vocab]` bool on the device), `take(r, token)` after it, end ids
-    included (a message when the row's matcher refuses the token: no token was allowed).
-    `field`: the request field an error names."""
+    """What a job's rows may draw (`trainer/compute/grammar.py`): `bias(done, device)` before
+    each draw (`[rows, vocab]` on the device, added to the logits: 0 or -inf), `take(r, token)`
+    after it, end ids included (a message when the row's matcher refuses the token: no token
+    was allowed). `field`: the request field an error names."""
 
     @property
     def field(self) -> str: ...
 
-    def allowed(self, done: list[bool], device: torch.device) -> torch.Tensor: ...
+    def bias(self, done: list[bool], device: torch.device) -> torch.Tensor: ...
 
     def take(self, r: int, token: int) -> str | None: ...
 
@@ -176,7 +176,7 @@ class Draws:
         rows = logits[self.start : self.end]
         grammar = self.job.grammar
         if grammar is not None:  # the tokens outside the grammar masked out
-            rows = rows.masked_fill(~grammar.allowed(self.done, rows.device), float("-inf"))
+            rows = rows + grammar.bias(self.done, rows.device)
         chosen, self.drawn_from = _choose(rows, self.job.params, self.generator)
         return chosen
 

@@ -7,8 +7,9 @@ top-p as usual), and its matcher takes the token it drew. The end-of-sequence id
 exactly when the text so far is complete (llguidance is given them as its end tokens); a row
 whose text can go no further then draws one of them. The mask is built on the host (llguidance
 computes it there), one bit per token, and copied to the logits' device once per step for the
-job's rows, where it is unpacked; the token each row drew comes back in the step's one copy to
-the host (`trainer/compute/draws.py`), which the matchers then take.
+job's rows, where it becomes a bias of 0 and -inf added to the logits; the token each row drew
+comes back in the step's one copy to the host (`trainer/compute/draws.py`), which the matchers
+then take.
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ from typing import Any
 import torch
 
 from trainer.contract.grammar import OutputGrammar
+
+# From this many running rows the masks are filled on llguidance's thread pool: on 2 cores and
+# the Qwen3 vocabulary, 64 rows took 0.22 ms there against 0.29 ms in turn, 8 rows 0.07 ms
+# against 0.03 ms (the pool's start-up).
+PARALLEL_ROWS = 32
 
 # a Hugging Face tokenizer -> ((vocabulary, end ids), its llguidance tokenizer): about 1 s
 _TOKENIZERS: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
@@ -43,6 +49,9 @@ class Compiled:
             error, messages = True, [str(exc)]
         if error:
             raise ValueError(f"{spec.field}: {'; '.join(messages)[:500]}")
+        self.start = llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0)
+        if self.start.is_error():
+            raise ValueError(f"{spec.field}: {self.start.get_error()[:500]}")
 
     def rows(self, n: int) -> GrammarRows:
         return GrammarRows(self, n)
@@ -52,39 +61,39 @@ class GrammarRows:
     """The matchers of one generation's rows (`DecodeJob.grammar`)."""
 
     def __init__(self, compiled: Compiled, rows: int) -> None:
-        import llguidance
         import llguidance.torch
 
         self.compiled = compiled
-        self.matchers = [
-            llguidance.LLMatcher(compiled.tokenizer, compiled.grammar, log_level=0)
-            for _ in range(rows)
-        ]
+        self.matchers = [compiled.start.deep_copy() for _ in range(rows)]  # no parse again
         self.bits = llguidance.torch.allocate_token_bitmask(rows, compiled.size)  # int32, host
 
     @property
     def field(self) -> str:
         return self.compiled.spec.field
 
-    def allowed(self, done: list[bool], device: torch.device) -> torch.Tensor:
-        """`[rows, vocab]` bool on `device`: the tokens each running row may draw next (a
-        finished row: every token; its draw is not read). Filled on the host one bit per token,
-        copied once, unpacked there; nothing is read back. A row with none allowed draws some
-        token, which `take` then refuses."""
+    def bias(self, done: list[bool], device: torch.device) -> torch.Tensor:
+        """`[rows, vocab]` float32 on `device`, to add to the logits: 0 where a running row may
+        draw the token next, -inf elsewhere (a finished row: 0 everywhere; its draw is not
+        read). Filled on the host one bit per token, copied once, spread there by a table of
+        the 256 byte values; nothing is read back. A row with none allowed draws some token,
+        which `take` then refuses."""
         import llguidance.torch
 
         bits = self.bits
-        for r, matcher in enumerate(self.matchers):
-            if done[r]:
+        running = [(matcher, r) for r, matcher in enumerate(self.matchers) if not done[r]]
+        for r, finished in enumerate(done):
+            if finished:
                 bits[r] = -1
-            else:
+        if len(running) >= PARALLEL_ROWS:  # llguidance's threads, without the GIL
+            llguidance.torch.fill_next_token_bitmask_par(_executor(), running, bits)
+        else:
+            for matcher, r in running:
                 llguidance.torch.fill_next_token_bitmask(matcher, bits, r)
         # from pinned memory the copy is queued; the step's copy back to the host, which the
         # next fill waits for, comes after it on the stream, so the buffer is free by then
-        packed = bits.to(device, non_blocking=True)
-        shifts = torch.arange(32, dtype=torch.int32, device=device)
-        mask = ((packed[:, :, None] >> shifts) & 1).bool().view(len(self.matchers), -1)
-        return mask[:, : self.compiled.vocab]
+        packed = bits.to(device, non_blocking=True).view(torch.uint8)  # token 8k + j: byte k, bit j
+        spread = _byte_bias(device)[packed.long()]
+        return spread.view(len(self.matchers), -1)[:, : self.compiled.vocab]
 
     def take(self, r: int, token: int) -> str | None:
         """Row `r` drew `token`: its matcher takes it (an end id: the text must be complete).
@@ -95,6 +104,31 @@ class GrammarRows:
         if matcher.consume_token(token):
             return None
         return matcher.get_error() or f"token {token} does not continue it"
+
+
+_BYTE_BIAS: dict[torch.device, torch.Tensor] = {}
+_EXECUTOR: list[Any] = []
+
+
+def _byte_bias(device: torch.device) -> torch.Tensor:
+    """`[256, 8]` float32 on `device`: for each byte value, each of its bits (lowest first) as
+    0.0 when set, -inf when clear. The bitmask's int32 words are little-endian, as on every
+    device torch runs on here, so byte k of the row holds tokens 8k to 8k + 7."""
+    table = _BYTE_BIAS.get(device)
+    if table is None:
+        set_bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+        table = torch.where(set_bits.bool(), 0.0, float("-inf")).to(device)
+        _BYTE_BIAS[device] = table
+    return table
+
+
+def _executor() -> Any:
+    """The process's llguidance thread pool (80% of the CPUs, at most 32), made once."""
+    if not _EXECUTOR:
+        import llguidance
+
+        _EXECUTOR.append(llguidance.LLExecutor())
+    return _EXECUTOR[0]
 
 
 def _llg_tokenizer(tokenizer: Any, vocab: int, eos_ids: list[int], field: str) -> Any:
