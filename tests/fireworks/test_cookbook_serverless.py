@@ -184,13 +184,14 @@ def test_dpo_runs_on_the_serverless_surface_and_resumes(
     report, stdout = run_dpo(cookbook_py, countdown_server, spec, tmp_path)
     records = report["records"]
     assert [r["step"] for r in records] == list(range(DPO_STEPS)), records
-    first, last = records[0], records[-1]
+    first = records[0]
     assert first["train/dpo_loss"] == pytest.approx(math.log(2), abs=1e-4), first
     assert first["train/margin"] == pytest.approx(0.0, abs=1e-3), first
-    assert last["train/dpo_loss"] < first["train/dpo_loss"], records
-    assert last["train/margin"] > 0, records
+    assert all(math.isfinite(r["train/dpo_loss"]) for r in records), records
+    # learning is judged on the same pairs before and after: each step's loss is its own
+    # batch's, and a later batch's may exceed ln 2 (seen once in CI, 0.724 at step 3)
     delta = re.search(r"held-out preference margin after training: .*\(delta ([-+.\d]+)\)", stdout)
-    assert delta and float(delta.group(1)) > 0, stdout[-2000:]  # the held-out pairs learnt too
+    assert delta and float(delta.group(1)) > 0, stdout[-2000:]
     assert "promoted model: accounts/" in stdout, stdout[-2000:]
     assert "=== generation comparison ===" in stdout, stdout[-2000:]
     resume = re.search(r"--resume-from (\S+/dpo-0004)", stdout)
