@@ -26,7 +26,7 @@ from trainer.contract.grammar import OutputGrammar
 # against 0.03 ms (the pool's start-up).
 PARALLEL_ROWS = 32
 
-# a Hugging Face tokenizer -> ((vocabulary, end ids), its llguidance tokenizer): about 1 s
+# a Hugging Face tokenizer -> ((ids, end ids), its llguidance tokenizer): about 1 s to build
 _TOKENIZERS: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
 
 
@@ -35,23 +35,18 @@ class Compiled:
     matchers of a generation's `n` rows."""
 
     def __init__(self, spec: OutputGrammar, tokenizer: Any, vocab: int, eos_ids: set[int]):
+        """A ValueError saying why when the grammar or the tokenizer cannot serve."""
         import llguidance
 
+        if tokenizer is None:
+            raise ValueError("constrained decoding needs a tokenizer and this model has none")
         self.spec, self.vocab, self.eos_ids = spec, vocab, sorted(eos_ids)
-        self.tokenizer = _llg_tokenizer(tokenizer, vocab, self.eos_ids, spec.field)
         self.size = max(vocab, len(tokenizer))  # the matchers' vocabulary: the mask's width
-        self.grammar = _grammar(spec)
-        try:
-            error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-                self.grammar, self.tokenizer
-            )
-        except Exception as exc:  # llguidance raises plain Exception on a bad rule
-            error, messages = True, [str(exc)]
-        if error:
-            raise ValueError(f"{spec.field}: {'; '.join(messages)[:500]}")
-        self.start = llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0)
+        self.tokenizer = _llg_tokenizer(tokenizer, self.size, self.eos_ids)
+        # parsed once: a matcher never raises, it holds the grammar's error instead
+        self.start = llguidance.LLMatcher(self.tokenizer, _grammar(spec), log_level=0)
         if self.start.is_error():
-            raise ValueError(f"{spec.field}: {self.start.get_error()[:500]}")
+            raise ValueError(self.start.get_error()[:500])
 
     def rows(self, n: int) -> GrammarRows:
         return GrammarRows(self, n)
@@ -131,33 +126,29 @@ def _executor() -> Any:
     return _EXECUTOR[0]
 
 
-def _llg_tokenizer(tokenizer: Any, vocab: int, eos_ids: list[int], field: str) -> Any:
-    """The model's tokenizer as llguidance reads it, ending at `eos_ids` (built once per
-    tokenizer and end ids)."""
-    if tokenizer is None:
-        raise ValueError(f"{field}: constrained decoding needs a tokenizer and this model has none")
+def _llg_tokenizer(tokenizer: Any, size: int, eos_ids: list[int]) -> Any:
+    """The model's tokenizer as llguidance reads it over `size` ids, ending at `eos_ids` (built
+    once per tokenizer, size and end ids)."""
     if not eos_ids:
-        raise ValueError(f"{field}: constrained decoding needs an end-of-sequence token")
-    key = (vocab, tuple(eos_ids))
+        raise ValueError("constrained decoding needs an end-of-sequence token")
+    key = (size, tuple(eos_ids))
     cached = _TOKENIZERS.get(tokenizer)
     if cached is not None and cached[0] == key:
         return cached[1]
     import llguidance.hf
 
     try:
-        size = max(vocab, len(tokenizer))  # `Compiled.size`
         built = llguidance.hf.from_tokenizer(tokenizer, n_vocab=size, eos_token=eos_ids)
     except (ValueError, TypeError, AssertionError) as exc:  # e.g. a word-level tokenizer
         raise ValueError(
-            f"{field}: this model's tokenizer cannot be read for constrained decoding "
-            f"(llguidance: {exc})"
+            f"this model's tokenizer cannot be read for constrained decoding (llguidance: {exc})"
         ) from None
     _TOKENIZERS[tokenizer] = (key, built)
     return built
 
 
 def _grammar(spec: OutputGrammar) -> str:
-    """The llguidance grammar of `spec` (a ValueError naming its field when it does not parse)."""
+    """The llguidance grammar of `spec` (a ValueError when its text does not convert)."""
     import llguidance
     from llguidance.gbnf_to_lark import gbnf_to_lark
 
@@ -166,4 +157,4 @@ def _grammar(spec: OutputGrammar) -> str:
             return str(llguidance.LLMatcher.grammar_from_json_schema(spec.text))
         return str(llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(spec.text)))
     except Exception as exc:  # the converter raises plain Exception on bad text
-        raise ValueError(f"{spec.field}: {str(exc)[:500]}") from None
+        raise ValueError(str(exc)[:500]) from None

@@ -236,7 +236,7 @@ class Generator(abc.ABC):
             try:
                 compiled = Compiled(grammar, self.resource.tokenizer, vocab, eos_ids)
             except ValueError as exc:
-                raise invalid(grammar.field, str(exc).removeprefix(f"{grammar.field}: ")) from None
+                raise invalid(grammar.field, str(exc)) from None
         return SampleCall(
             prompts=prompts,
             num_samples=num_samples,

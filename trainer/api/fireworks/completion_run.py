@@ -177,9 +177,9 @@ def _prepare(
     if req.seed is None:  # a seeded request's draws are its seed's alone
         settings = {k: v for k, v in body.items() if k != "model_inputs"}
         grammar = req.response_format
-        shape_of = None if grammar is None else [grammar.kind, grammar.text]
+        constraint = None if grammar is None else [grammar.kind, grammar.text]
         key = json.dumps(
-            [target.session_id, user, settings, _routes(req), shape_of], sort_keys=True
+            [target.session_id, user, settings, _routes(req), constraint], sort_keys=True
         )
     tokens = Tokens(tokenizer)
     return Prepared(req, target, prompt, call, tokens, body, entry, vocab, watch, key, shape)
