@@ -195,24 +195,37 @@ def _row(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def decode_parser(doc: str, tokens: int, tokens_help: str) -> argparse.ArgumentParser:
+    """The arguments every decode benchmark takes: the model (device, dtype, shape), the batch
+    sizes, new tokens per row, repeats, CPU threads and the JSON output."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
     parser.add_argument("--shape", choices=list(SHAPES), default="tiny")
     parser.add_argument(
         "--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 8, 64]
     )
-    parser.add_argument("--tokens", type=int, default=64, help="new tokens per row")
-    parser.add_argument("--prompt-tokens", type=int, default=16)
-    parser.add_argument("--count-tokens", type=int, default=16, help="tokens of the counting run")
+    parser.add_argument("--tokens", type=int, default=tokens, help=tokens_help)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--baseline", action="store_true", help="also the old loop, side by side")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--json", type=Path, default=None)
+    return parser
+
+
+def parse_decode_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> Any:
+    """`parser`'s arguments, the torch CPU threads set as asked."""
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = decode_parser(__doc__, 64, "new tokens per row")
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--count-tokens", type=int, default=16, help="tokens of the counting run")
+    parser.add_argument("--baseline", action="store_true", help="also the old loop, side by side")
+    args = parse_decode_args(parser, argv)
     print(
         "| arm | batch | new tokens | tokens/s | ms/step | host transfers/step | "
         "CUDA syncs/step | device ÷ baseline |"

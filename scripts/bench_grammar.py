@@ -33,7 +33,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.host_transfers import HostTransfers  # noqa: E402
-from scripts.bench_decode import DTYPES, SHAPES, build, sync  # noqa: E402
+from scripts.bench_decode import (  # noqa: E402
+    DTYPES,
+    SHAPES,
+    build,
+    decode_parser,
+    parse_decode_args,
+    sync,
+)
 from trainer.compute import sampler  # noqa: E402
 from trainer.compute.grammar import Compiled  # noqa: E402
 from trainer.contract.grammar import OutputGrammar  # noqa: E402
@@ -149,20 +156,8 @@ def _row(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
-    parser.add_argument("--shape", choices=list(SHAPES), default="tiny")
-    parser.add_argument(
-        "--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 8, 64]
-    )
-    parser.add_argument("--tokens", type=int, default=32, help="new tokens per row, at most")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    parser = decode_parser(__doc__, 32, "new tokens per row, at most")
+    args = parse_decode_args(parser, argv)
     print("| arm | batch | tokens made | tokens/s | host transfers/step | grammar ÷ plain |")
     print("|---|---:|---:|---:|---:|---:|", flush=True)
     figures = run(args)
