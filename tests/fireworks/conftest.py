@@ -112,6 +112,17 @@ def run_fw(
     return run_json(python, argv, fw_env(server, api_key, **env), timeout, REPO)
 
 
+def client_script(args: str, body: str, imports: str = "") -> str:
+    """A script for `run_inline`: `url, key, ARGS = sys.argv[1:]`, a Fireworks SDK `client`
+    on that URL and key, then `body` (`imports` go after the SDK's)."""
+    head = f"import json, sys\nfrom fireworks import Fireworks\n{imports}"
+    return (
+        head
+        + f"url, key, {args} = sys.argv[1:]\nclient = Fireworks(api_key=key, base_url=url)\n"
+        + body
+    )
+
+
 def run_inline(python: Path, script: str, argv: list[str], cwd: Path | None = None) -> Any:
     """Run a venv's `python -c script argv...` offline, with only the system PATH (no key or
     URL from this process's environment: the script takes them from `argv`); the JSON value

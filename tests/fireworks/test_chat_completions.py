@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.api.conftest import LiveServer, serve_in_thread
 from tests.api.team_helpers import write_keys
 from tests.fireworks import test_completions as completions
-from tests.fireworks.conftest import SCRIPTS, run_fw, run_inline
+from tests.fireworks.conftest import SCRIPTS, client_script, run_fw, run_inline
 from tests.fireworks.test_completions import events, trained_checkpoint
 from tests.tinker.conftest import build_served_model
 from trainer.api.keys import KeyRing
@@ -404,16 +404,13 @@ def test_the_cookbooks_renderer_probe_reads_the_chat_answer(
     strips the echoed prompt as it does."""
     prompt = written_ids(chat_models[QWEN])
     expected, _ = greedy(chat_models[QWEN], prompt, 6)
-    script = (
-        "import json, sys\n"
-        "from fireworks import Fireworks\n"
-        "from training.renderer.verifier.utils.probe import _call_completion\n"
-        "url, key, model, messages = sys.argv[1:]\n"
-        "client = Fireworks(api_key=key, base_url=url)\n"
+    script = client_script(
+        "model, messages",
         "out = _call_completion(client, model=model, messages=json.loads(messages), tools=None,"
         " max_tokens=6, temperature=0.0, extra_kwargs=None)\n"
         "out.pop('raw_payload')\n"
-        "print(json.dumps(out))\n"
+        "print(json.dumps(out))\n",
+        imports="from training.renderer.verifier.utils.probe import _call_completion\n",
     )
     argv = [live.url, KEYS["alice"], QWEN, json.dumps(MESSAGES)]
     out = run_inline(cookbook_py, script, argv, cookbook)

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from tests.api.conftest import LiveServer, serve_in_thread
 from tests.api.team_helpers import write_keys
 from tests.fireworks import test_completions as completions
-from tests.fireworks.conftest import run_inline
+from tests.fireworks.conftest import client_script, run_inline
 from tests.tinker import tinker_http as th
 from tests.tinker.conftest import VOCAB, build_served_model
 from trainer.api.keys import KeyRing
@@ -253,7 +253,10 @@ def test_a_hermes_call_with_a_non_json_number_is_content(constant: str) -> None:
     ("body", "param"),
     [
         ({"model": HERMES, "tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-        ({"model": HERMES, "tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice"),
+        (
+            {"model": HERMES, "tools": TOOLS, "tool_choice": {"type": "function"}},
+            "tool_choice.function.name",
+        ),
         ({"model": PLAIN, "tools": TOOLS}, "tools"),
         ({"model": HERMES, "tools": {"add": 1}}, "tools"),
         ({"model": HERMES, "tools": [{"type": "retrieval"}]}, "tools[0].type"),
@@ -263,7 +266,15 @@ def test_a_hermes_call_with_a_non_json_number_is_content(constant: str) -> None:
         ),
         ({"model": HERMES, "functions": [{"name": "add"}]}, "functions"),
     ],
-    ids=["required", "named", "no-format", "not-a-list", "type", "name", "legacy"],
+    ids=[
+        "required-word-level-tokenizer",
+        "named-without-name",
+        "no-format",
+        "not-a-list",
+        "type",
+        "name",
+        "legacy",
+    ],
 )
 def test_what_tools_cannot_do_is_a_400_naming_it(
     live: LiveServer, body: dict[str, Any], param: str
@@ -283,28 +294,22 @@ def test_the_sdk_and_the_cookbooks_probe_read_tool_calls(
     """`Fireworks().chat.completions.create(tools=...)` parses the call into its typed
     `tool_calls`; the cookbook's renderer probe (`_call_completion`, which sends tools) gets
     the prompt the tools are written into."""
-    sdk = (
-        "import json, sys\n"
-        "from fireworks import Fireworks\n"
-        "url, key, model, messages, tools = sys.argv[1:]\n"
-        "client = Fireworks(api_key=key, base_url=url)\n"
+    sdk = client_script(
+        "model, messages, tools",
         "r = client.chat.completions.create(model=model, messages=json.loads(messages),"
         " tools=json.loads(tools), max_tokens=8, temperature=0)\n"
         "(c,) = r.choices\n"
         "calls = [[t.id, t.type, t.function.name, t.function.arguments]"
         " for t in c.message.tool_calls or []]\n"
         "print(json.dumps({'calls': calls, 'content': c.message.content,"
-        " 'finish': c.finish_reason}))\n"
+        " 'finish': c.finish_reason}))\n",
     )
-    probe = (
-        "import json, sys\n"
-        "from fireworks import Fireworks\n"
-        "from training.renderer.verifier.utils.probe import _call_completion\n"
-        "url, key, model, messages, tools = sys.argv[1:]\n"
-        "client = Fireworks(api_key=key, base_url=url)\n"
+    probe = client_script(
+        "model, messages, tools",
         "out = _call_completion(client, model=model, messages=json.loads(messages),"
         " tools=json.loads(tools), max_tokens=8, temperature=0.0, extra_kwargs=None)\n"
-        "print(json.dumps(out['prompt_token_ids']))\n"
+        "print(json.dumps(out['prompt_token_ids']))\n",
+        imports="from training.renderer.verifier.utils.probe import _call_completion\n",
     )
     argv = [live.url, KEYS["alice"], caller, json.dumps(ASK), json.dumps(TOOLS)]
     typed = run_inline(fw_python_latest, sdk, argv)

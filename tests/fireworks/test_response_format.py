@@ -18,7 +18,7 @@ from tests.api.conftest import LiveServer, serve_in_thread
 from tests.api.team_helpers import write_keys
 from tests.engine.test_grammar import GBNF, LANGUAGE, build_bpe_tokenizer
 from tests.fireworks import test_completions as completions
-from tests.fireworks.conftest import run_inline
+from tests.fireworks.conftest import client_script, run_inline
 from tests.tinker.conftest import build_served_model
 from trainer.api.keys import KeyRing
 from trainer.tiny import TinySpec, save_model
@@ -118,15 +118,12 @@ def test_a_streamed_chat_adds_up_to_json_that_fits(live: LiveServer) -> None:
 def test_the_sdk_sends_a_json_schema_and_reads_json_back(
     live: LiveServer, fw_python_latest: Path
 ) -> None:
-    sdk = (
-        "import json, sys\n"
-        "from fireworks import Fireworks\n"
-        "url, key, model, messages, schema = sys.argv[1:]\n"
-        "client = Fireworks(api_key=key, base_url=url)\n"
+    sdk = client_script(
+        "model, messages, schema",
         "r = client.chat.completions.create(model=model, messages=json.loads(messages),"
         " max_tokens=40, seed=4, n=3, response_format={'type': 'json_schema',"
         " 'json_schema': {'name': 'verdict', 'schema': json.loads(schema)}})\n"
-        "print(json.dumps([[c.message.content, c.finish_reason] for c in r.choices]))\n"
+        "print(json.dumps([[c.message.content, c.finish_reason] for c in r.choices]))\n",
     )
     argv = [live.url, KEYS["alice"], LLAMA, json.dumps(ASK), json.dumps(SCHEMA)]
     answers = run_inline(fw_python_latest, sdk, argv)

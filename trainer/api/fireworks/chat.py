@@ -7,7 +7,8 @@ generation prompt added) and tokenized without added special tokens; from there 
 a completion of those token ids (`completion_run.serve`, shared with the text route): the same
 sampling, logprobs, echo, merging and streaming. This module holds what is the chat route's
 own: the messages, the fields only chat has, and choices with a `message` (with the calls of
-offered tools parsed out of it: `chat_tools.py`).
+offered tools parsed out of it: `chat_tools.py`; a required or named call held to the template's
+call format: `tool_choice.py`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ from trainer.api.fireworks.completions_wire import (
     parse_request,
     raw_output,
 )
+from trainer.api.fireworks.tool_choice import (
+    Forced,
+    Thinking,
+    calls_grammar,
+    check_forced,
+    parse_choice,
+)
 from trainer.api.http import json_object
 from trainer.contract.specs import ModelEntry
 from trainer.serving.errors import ApiError, bad_request
@@ -57,6 +65,7 @@ NOT_SERVED = {
 }
 """Chat fields this worker cannot honour: a 400 naming the field, never a silent drop."""
 SWITCH = "enable_thinking"  # the template variable of Qwen3-style thinking switches
+THINK, THINK_END = "<think>", "</think>"  # Qwen3-style thinking blocks
 
 
 def _content(value: Any, i: int, role: str, calls: bool) -> str | None:
@@ -167,7 +176,13 @@ def parse_chat(raw: dict[str, Any]) -> tuple[CompletionRequest, ChatShape]:
         )
     if "prompt" in raw:
         raise extra_field("prompt")  # the text route's field
+    forced = parse_choice(raw.get("tool_choice"))
     tools = parse_tools(raw)
+    if forced is not None:
+        check_forced(forced, tools)
+        if raw.get("response_format") is not None:
+            message = "tool_choice: a required or named call is its own constraint; send it or "
+            raise bad_request(message + "response_format, not both", "tool_choice")
     messages = parse_messages(raw.get("messages"))
     token_ids = raw.get("return_token_ids")
     if token_ids is not None and not isinstance(token_ids, bool):
@@ -189,7 +204,8 @@ def parse_chat(raw: dict[str, Any]) -> tuple[CompletionRequest, ChatShape]:
         raise
     off = next((n for n in ("reasoning_effort", "thinking") if thinking_off(n, raw.get(n))), None)
     effort = raw.get("reasoning_effort") if raw.get("reasoning_effort") in EFFORTS else None
-    return req, ChatShape(messages, asked is not None, bool(token_ids), off, tools, effort)
+    shape = ChatShape(messages, asked is not None, bool(token_ids), off, tools, effort, forced)
+    return req, shape
 
 
 def _finish(stop_reason: str, called: bool) -> str:
@@ -223,12 +239,14 @@ class ChatShape:
         no_thinking: str | None,
         tools: list[dict[str, Any]] | None = None,
         effort: str | None = None,
+        forced: Forced | None = None,
     ) -> None:
         self.messages = messages
         self.effort = effort  # the template's `reasoning_effort` (GPT-OSS's)
         self.harmony: Harmony | None = None  # the model's channels, when it writes them
         self.tools = tools  # offered: rendered by the template, calls parsed (`chat_tools`)
         self.call_form = HERMES  # how the template writes calls (`chat_tools.check_template`)
+        self.forced = forced  # a required or named call (`tool_choice.py`)
         self.max_given = max_given  # otherwise the rest of the context after the prompt
         self.token_ids = token_ids
         self.no_thinking = no_thinking  # the field that turned the template's switch off
@@ -278,6 +296,10 @@ class ChatShape:
                 f"messages: the chat template of {entry.name} refuses them: {str(exc)[:300]}",
                 "messages",
             ) from None
+        if self.forced is not None and self.tools is not None:
+            thinking = self._thinking(str(tokenizer.chat_template))
+            grammar = calls_grammar(self.forced, self.tools, self.call_form, thinking)
+            req = dataclasses.replace(req, response_format=grammar)
         ids = [int(t) for t in tokenizer.encode(self.rendered, add_special_tokens=False)]
         if not self.max_given:
             left = entry.max_seq_length - len(ids)
@@ -289,6 +311,15 @@ class ChatShape:
                 )
             req = dataclasses.replace(req, max_tokens=left)
         return req, ids
+
+    def _thinking(self, template: str) -> Thinking:
+        """Where a forced call's reply may think first: inside the block the rendered prompt
+        left open, in a block of its own where the template thinks, else nowhere."""
+        if self.no_thinking is not None or THINK not in template:
+            return "off"
+        if self.rendered.rfind(THINK) > self.rendered.rfind(THINK_END):
+            return "open"
+        return "optional"
 
     def _logprobs(
         self, ready: Prepared, group: dict[str, Any], seq: dict[str, Any]

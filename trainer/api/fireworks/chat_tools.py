@@ -38,7 +38,6 @@ PARAMETERS = re.compile(
 )
 HERMES, XML = "hermes", "xml"
 TEXT_TYPES = ("string", "str", "text", "varchar", "char", "enum")
-CHOICES = ("auto", "none")
 
 
 @dataclass(frozen=True)
@@ -52,14 +51,8 @@ class Parsed:
 def parse_tools(raw: dict[str, Any]) -> list[dict[str, Any]] | None:
     """The request's tools to render and parse: each `{type: function, function: {name, ...}}`
     (a 400 naming the first field that is wrong); None when there are none, or `tool_choice`
-    is `none` (the conversation is then rendered without them and nothing is parsed)."""
-    choice = raw.get("tool_choice")
-    if choice is not None and choice not in CHOICES:
-        raise bad_request(
-            f"tool_choice: {str(choice)[:80]!r} is not served: only 'auto' and 'none' (a "
-            "required or named call needs constrained decoding)",
-            "tool_choice",
-        )
+    is `none` (the conversation is then rendered without them and nothing is parsed).
+    `tool_choice` itself is read by `tool_choice.parse_choice`."""
     tools = raw.get("tools")
     if tools is None:
         return None
@@ -80,7 +73,7 @@ def parse_tools(raw: dict[str, Any]) -> list[dict[str, Any]] | None:
         if parameters is not None and not isinstance(parameters, dict):
             where = f"{where}.function.parameters"
             raise bad_request(f"{where}: a JSON Schema object", where)
-    if choice == "none" or not tools:
+    if raw.get("tool_choice") == "none" or not tools:
         return None
     return tools
 
