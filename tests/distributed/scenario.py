@@ -195,3 +195,17 @@ def family_forward(resource: Any) -> dict[str, Any]:
         "sampled": [r["sequences"][0] for r in sampled["results"]],
         "layout": layout,
     }
+
+
+def grammar_samples(resource: Any, kind: str, grammars: dict[str, Any]) -> dict[str, Any]:
+    """A session's constrained samples (docs/semantics.md §17.2): two prompts, two samples
+    each, at temperature 1 under each of `grammars` (`test_grammar_sharded`)."""
+    session = resource.create_session(f"{kind}-grammar", session_spec(kind))
+    params = SamplingParams(max_tokens=24, seed=13, temperature=1.0)
+    prompts = [model_input(PROMPT), model_input([9, 10])]
+    out = {}
+    for name, grammar in grammars.items():
+        sampled = session.sample(prompts, num_samples=2, sampling_params=params, grammar=grammar)
+        out[name] = [seq for result in sampled["results"] for seq in result["sequences"]]
+    resource.close_session(f"{kind}-grammar")
+    return out

@@ -167,6 +167,20 @@ def case_merged_resume(
     return result
 
 
+def case_grammar(spmd: Spmd, store: CheckpointStore, args: argparse.Namespace) -> dict[str, Any]:
+    """Constrained samples, sharded, full weights and LoRA (`test_grammar_sharded` compares
+    them with one process's)."""
+    from tests.distributed.scenario import grammar_samples
+    from tests.distributed.test_grammar_sharded import GRAMMARS
+
+    result = {}
+    for kind in ("full", "lora"):
+        resource = DistributedResource(spmd, entry(args.model_dir), resource_spec(kind), store)
+        result[kind] = grammar_samples(resource, kind, GRAMMARS)
+        resource.close()
+    return result
+
+
 CASES = {
     "families": case_families,
     "train": case_train,
@@ -175,6 +189,7 @@ CASES = {
     "muon": case_muon,
     "embed": case_embed,
     "merged_resume": case_merged_resume,
+    "grammar": case_grammar,
 }
 
 
