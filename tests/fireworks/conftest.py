@@ -12,6 +12,7 @@ pointing at the worker, and returns the JSON object it prints last.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -110,6 +111,37 @@ def run_fw(
 ) -> dict[str, Any]:
     """Run `python argv...` against `server`; the JSON object on its last stdout line."""
     return run_json(python, argv, fw_env(server, api_key, **env), timeout, REPO)
+
+
+def bpe_chat_model(where: Path, arch: str, template: str, seed: int) -> Path:
+    """A tiny `arch` model (qwen3 tied, else untied) with a byte-level BPE tokenizer, which
+    constrained decoding can read, and `template` as its chat template."""
+    from transformers import AutoTokenizer
+
+    from tests.engine.test_grammar import build_bpe_tokenizer
+    from trainer.tiny import TinySpec, save_model
+
+    build_bpe_tokenizer(where)
+    tokenizer = AutoTokenizer.from_pretrained(where)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(where)
+    vocab, tied = len(tokenizer), arch == "qwen3"
+    spec = TinySpec(arch=arch, vocab=vocab, tied=tied, bos=None, eos=1, scale=4.0)
+    return save_model(spec, where, seed=seed)
+
+
+@contextlib.contextmanager
+def serve_for_alice(
+    models: dict[str, Path], factory: pytest.TempPathFactory, keys: dict[str, str]
+) -> Iterator[LiveServer]:
+    """A worker over `models` with one user, alice, whose keys go into `keys`."""
+    from tests.api.team_helpers import write_keys
+    from trainer.api.keys import KeyRing
+
+    path = factory.mktemp("keys") / "keys.toml"
+    keys.update(write_keys(path, (), ("alice",)))
+    with serve_in_thread(factory.mktemp("storage"), models, keys=KeyRing(path)) as server:
+        yield server
 
 
 def client_script(args: str, body: str, imports: str = "") -> str:

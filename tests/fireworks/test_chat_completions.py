@@ -457,3 +457,27 @@ def test_thinking_off_sets_the_templates_switch(
         both = {"reasoning_effort": "none", "thinking": {"type": "disabled"}}
         error = refused(http, 400, model=QWEN, messages=MESSAGES, **both)
         assert error["param"] == "thinking", error
+
+
+@pytest.mark.parametrize(
+    "on", [{"reasoning_effort": True}, {"thinking": {"type": "enabled"}}], ids=["true", "enabled"]
+)
+def test_thinking_on_sets_the_templates_switch(
+    live: LiveServer, chat_models: dict[str, Path], on: dict[str, Any]
+) -> None:
+    """`reasoning_effort: true` (or `thinking: {type: enabled}`) renders with the template's
+    `enable_thinking` true: no empty think block. A template that neither has the switch nor
+    thinks cannot turn thinking on; a token budget is not served: 400s naming the field."""
+    (field,) = on
+    with client(live, "alice") as http:
+        out = chat(http, model=QWEN, messages=MESSAGES, max_tokens=2, return_token_ids=True, **on)
+        assert out["prompt_token_ids"] == written_ids(chat_models[QWEN])
+        error = refused(http, 400, model=LLAMA, messages=MESSAGES, max_tokens=2, **on)
+        assert error["param"] == field and "enable_thinking" in error["message"], error
+        budget = (
+            {"reasoning_effort": 2048}
+            if field == "reasoning_effort"
+            else {"thinking": {"type": "enabled", "budget_tokens": 2048}}
+        )
+        error = refused(http, 400, model=QWEN, messages=MESSAGES, **budget)
+        assert error["param"] == field, error

@@ -108,9 +108,19 @@ def test_a_reply_cut_short_keeps_what_it_reasoned(live: LiveServer, reasoner: st
     assert choice["message"]["content"] is None and choice["finish_reason"] == "length"
 
 
-def test_reasoning_effort_reaches_the_template(live: LiveServer, model_dir: Path) -> None:
-    out = chat(live, model=MODEL, messages=ASK, reasoning_effort="high", return_token_ids=True)
-    written = "<|start|>system<|message|>high<|end|>" + WRITTEN
+@pytest.mark.parametrize(
+    ("asked", "effort"),
+    [
+        ({"reasoning_effort": "high"}, "high"),
+        ({"reasoning_effort": True}, "medium"),  # as the Fireworks SDK documents `true`
+        ({"thinking": {"type": "enabled"}}, "medium"),
+    ],
+)
+def test_reasoning_effort_reaches_the_template(
+    live: LiveServer, model_dir: Path, asked: dict[str, Any], effort: str
+) -> None:
+    out = chat(live, model=MODEL, messages=ASK, return_token_ids=True, **asked)
+    written = f"<|start|>system<|message|>{effort}<|end|>" + WRITTEN
     assert out["prompt_token_ids"] == ids(model_dir, written)
 
 

@@ -12,16 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from transformers import AutoTokenizer
 
-from tests.api.conftest import LiveServer, serve_in_thread
-from tests.api.team_helpers import write_keys
-from tests.engine.test_grammar import GBNF, LANGUAGE, build_bpe_tokenizer
+from tests.api.conftest import LiveServer
+from tests.engine.test_grammar import GBNF, LANGUAGE
 from tests.fireworks import test_completions as completions
-from tests.fireworks.conftest import client_script, run_inline
+from tests.fireworks.conftest import bpe_chat_model, client_script, run_inline, serve_for_alice
 from tests.tinker.conftest import build_served_model
-from trainer.api.keys import KeyRing
-from trainer.tiny import TinySpec, save_model
 
 pytestmark = pytest.mark.fireworks
 
@@ -47,17 +43,9 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     root = tmp_path_factory.mktemp("bpe-models")
     models: dict[str, Path] = {}
     for name, arch in ((QWEN, "qwen3"), (LLAMA, "llama")):
-        where = build_bpe_tokenizer(root / arch)
-        tokenizer = AutoTokenizer.from_pretrained(where)
-        tokenizer.chat_template = TEMPLATE
-        tokenizer.save_pretrained(where)
-        vocab, tied = len(tokenizer), arch == "qwen3"
-        spec = TinySpec(arch=arch, vocab=vocab, tied=tied, bos=None, eos=1, scale=4.0)
-        models[name] = save_model(spec, where, seed=3)
+        models[name] = bpe_chat_model(root / arch, arch, TEMPLATE, seed=3)
     models[WORDS] = build_served_model(root / "words", 8.0, 0, root / "words")
-    path = tmp_path_factory.mktemp("keys") / "keys.toml"
-    KEYS.update(write_keys(path, (), ("alice",)))
-    with serve_in_thread(tmp_path_factory.mktemp("storage"), models, keys=KeyRing(path)) as server:
+    with serve_for_alice(models, tmp_path_factory, KEYS) as server:
         yield server
 
 

@@ -19,15 +19,11 @@ import llguidance.hf
 import pytest
 from transformers import AutoTokenizer
 
-from tests.api.conftest import LiveServer, serve_in_thread
-from tests.api.team_helpers import write_keys
-from tests.engine.test_grammar import build_bpe_tokenizer
+from tests.api.conftest import LiveServer
 from tests.fireworks import test_completions as completions
-from tests.fireworks.conftest import client_script, run_inline
+from tests.fireworks.conftest import bpe_chat_model, client_script, run_inline, serve_for_alice
 from trainer.api.fireworks.chat_tools import HERMES, XML
 from trainer.api.fireworks.tool_choice import Forced, calls_grammar
-from trainer.api.keys import KeyRing
-from trainer.tiny import TinySpec, save_model
 
 pytestmark = pytest.mark.fireworks
 
@@ -86,21 +82,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tool-choice-models")
     out: dict[str, Path] = {}
     for name, arch, template in ((QWEN, "qwen3", HERMES_TEMPLATE), (LLAMA, "llama", XML_TEMPLATE)):
-        where = build_bpe_tokenizer(root / arch)
-        tokenizer = AutoTokenizer.from_pretrained(where)
-        tokenizer.chat_template = template
-        tokenizer.save_pretrained(where)
-        vocab, tied = len(tokenizer), arch == "qwen3"
-        spec = TinySpec(arch=arch, vocab=vocab, tied=tied, bos=None, eos=1, scale=4.0)
-        out[name] = save_model(spec, where, seed=5)
+        out[name] = bpe_chat_model(root / arch, arch, template, seed=5)
     return out
 
 
 @pytest.fixture(scope="module")
 def live(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    path = tmp_path_factory.mktemp("keys") / "keys.toml"
-    KEYS.update(write_keys(path, (), ("alice",)))
-    with serve_in_thread(tmp_path_factory.mktemp("storage"), models, keys=KeyRing(path)) as server:
+    with serve_for_alice(models, tmp_path_factory, KEYS) as server:
         yield server
 
 

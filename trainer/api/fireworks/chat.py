@@ -24,6 +24,7 @@ from fastapi.responses import Response
 
 from trainer.api.fireworks.chat_harmony import Harmony
 from trainer.api.fireworks.chat_stream import CallStream, ChannelStream
+from trainer.api.fireworks.chat_think import THINK, Thinks
 from trainer.api.fireworks.chat_tools import HERMES, check_template, parse_calls, parse_tools
 from trainer.api.fireworks.completion_run import Prepared, serve
 from trainer.api.fireworks.completion_stream import ChoiceStream, TextStream
@@ -52,9 +53,10 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
 IGNORED = ("metadata",)  # accepted and without effect
 REASONING = (
-    "only 'none' (or false; thinking {'type': 'disabled'}) on a model whose chat template has an "
-    "enable_thinking switch, and 'low', 'medium' or 'high' on one whose template reads "
-    "reasoning_effort (GPT-OSS), are served"
+    "only 'none' or false (thinking {'type': 'disabled'}) on a model whose chat template has an "
+    "enable_thinking switch, true (thinking {'type': 'enabled'}) on one that thinks, and 'low', "
+    "'medium' or 'high' on one whose template reads reasoning_effort (GPT-OSS), are served; "
+    "not a token budget (an integer, budget_tokens)"
 )
 EFFORTS = ("low", "medium", "high")
 NOT_SERVED = {
@@ -65,7 +67,7 @@ NOT_SERVED = {
 }
 """Chat fields this worker cannot honour: a 400 naming the field, never a silent drop."""
 SWITCH = "enable_thinking"  # the template variable of Qwen3-style thinking switches
-THINK, THINK_END = "<think>", "</think>"  # Qwen3-style thinking blocks
+FIELDS = ("reasoning_effort", "thinking")  # the two ways to turn thinking on or off
 
 
 def _content(value: Any, i: int, role: str, calls: bool) -> str | None:
@@ -163,7 +165,9 @@ def parse_chat(raw: dict[str, Any]) -> tuple[CompletionRequest, ChatShape]:
         value = raw.get(name)
         if value is None:
             continue
-        if thinking_off(name, value) or (name == "reasoning_effort" and value in EFFORTS):
+        if thinking_asked(name, value) is not None:
+            continue
+        if name == "reasoning_effort" and isinstance(value, str) and value in EFFORTS:
             continue
         raise bad_request(f"{name}: not served: {why}", name)
     if raw.get("reasoning_effort") is not None and raw.get("thinking") is not None:
@@ -202,9 +206,12 @@ def parse_chat(raw: dict[str, Any]) -> tuple[CompletionRequest, ChatShape]:
             message = exc.message.replace("max_tokens", "max_completion_tokens", 1)
             raise bad_request(message, "max_completion_tokens") from None
         raise
-    off = next((n for n in ("reasoning_effort", "thinking") if thinking_off(n, raw.get(n))), None)
-    effort = raw.get("reasoning_effort") if raw.get("reasoning_effort") in EFFORTS else None
-    shape = ChatShape(messages, asked is not None, bool(token_ids), off, tools, effort, forced)
+    thinking = next(
+        ((n, on) for n in FIELDS if (on := thinking_asked(n, raw.get(n))) is not None), None
+    )
+    effort = raw.get("reasoning_effort")
+    effort = effort if isinstance(effort, str) and effort in EFFORTS else None
+    shape = ChatShape(messages, asked is not None, bool(token_ids), thinking, tools, effort, forced)
     return req, shape
 
 
@@ -215,12 +222,16 @@ def _finish(stop_reason: str, called: bool) -> str:
     return "tool_calls" if called and reason == "stop" else reason
 
 
-def thinking_off(name: str, value: Any) -> bool:
-    """Whether `reasoning_effort` (`'none'` or false) or `thinking` (`{type: disabled}`) asks
-    for thinking to be off."""
+def thinking_asked(name: str, value: Any) -> bool | None:
+    """Whether `reasoning_effort` (true; `'none'` or false) or `thinking` (`{type: enabled}`;
+    `{type: disabled}`) asks for thinking on (True) or off (False); None: neither."""
     if name == "reasoning_effort":
-        return value is False or (isinstance(value, str) and value == "none")
-    return name == "thinking" and value == {"type": "disabled"}
+        if isinstance(value, bool):
+            return value
+        return False if isinstance(value, str) and value == "none" else None
+    if name == "thinking" and value in ({"type": "enabled"}, {"type": "disabled"}):
+        return bool(value == {"type": "enabled"})
+    return None
 
 
 class ChatShape:
@@ -236,7 +247,7 @@ class ChatShape:
         messages: list[dict[str, Any]],
         max_given: bool,
         token_ids: bool,
-        no_thinking: str | None,
+        thinking: tuple[str, bool] | None,
         tools: list[dict[str, Any]] | None = None,
         effort: str | None = None,
         forced: Forced | None = None,
@@ -244,12 +255,13 @@ class ChatShape:
         self.messages = messages
         self.effort = effort  # the template's `reasoning_effort` (GPT-OSS's)
         self.harmony: Harmony | None = None  # the model's channels, when it writes them
+        self.thinks: Thinks | None = None  # its thinking blocks, when it writes them
         self.tools = tools  # offered: rendered by the template, calls parsed (`chat_tools`)
         self.call_form = HERMES  # how the template writes calls (`chat_tools.check_template`)
         self.forced = forced  # a required or named call (`tool_choice.py`)
         self.max_given = max_given  # otherwise the rest of the context after the prompt
         self.token_ids = token_ids
-        self.no_thinking = no_thinking  # the field that turned the template's switch off
+        self.thinking = thinking  # the field that set the template's thinking, and how
         self.rendered = ""
 
     def prompt(
@@ -262,14 +274,8 @@ class ChatShape:
                 "model",
             )
         switch: dict[str, Any] = {}
-        if self.no_thinking is not None:
-            if SWITCH not in str(tokenizer.chat_template):
-                raise bad_request(
-                    f"{self.no_thinking}: the chat template of {entry.name} has no {SWITCH} "
-                    "switch, so thinking cannot be turned off",
-                    self.no_thinking,
-                )
-            switch[SWITCH] = False
+        if self.thinking is not None:
+            switch |= self._switch(str(tokenizer.chat_template), entry.name)
         if self.tools is not None:
             self.call_form = check_template(tokenizer, entry.name)
             switch["tools"] = self.tools
@@ -296,8 +302,10 @@ class ChatShape:
                 f"messages: the chat template of {entry.name} refuses them: {str(exc)[:300]}",
                 "messages",
             ) from None
+        if self.harmony is None:
+            self.thinks = Thinks.of(str(tokenizer.chat_template), self.rendered)
         if self.forced is not None and self.tools is not None:
-            thinking = self._thinking(str(tokenizer.chat_template))
+            thinking = self._thinking()
             grammar = calls_grammar(self.forced, self.tools, self.call_form, thinking)
             req = dataclasses.replace(req, response_format=grammar)
         ids = [int(t) for t in tokenizer.encode(self.rendered, add_special_tokens=False)]
@@ -312,14 +320,31 @@ class ChatShape:
             req = dataclasses.replace(req, max_tokens=left)
         return req, ids
 
-    def _thinking(self, template: str) -> Thinking:
+    def _switch(self, template: str, model: str) -> dict[str, Any]:
+        """The template's variables that turn thinking on or off as `self.thinking` asks: its
+        `enable_thinking` switch; on, also a harmony template's `reasoning_effort` (`medium`,
+        as the Fireworks API reads `true`) or nothing where the template thinks by default."""
+        assert self.thinking is not None
+        field, on = self.thinking
+        if SWITCH in template:
+            return {SWITCH: on}
+        if on and "reasoning_effort" in template:
+            return {"reasoning_effort": "medium"}
+        if on and THINK in template:
+            return {}
+        how = "turned on: it writes no thinking" if on else "turned off"
+        raise bad_request(
+            f"{field}: the chat template of {model} has no {SWITCH} switch, so thinking cannot "
+            f"be {how}",
+            field,
+        )
+
+    def _thinking(self) -> Thinking:
         """Where a forced call's reply may think first: inside the block the rendered prompt
         left open, in a block of its own where the template thinks, else nowhere."""
-        if self.no_thinking is not None or THINK not in template:
+        if (self.thinking is not None and not self.thinking[1]) or self.thinks is None:
             return "off"
-        if self.rendered.rfind(THINK) > self.rendered.rfind(THINK_END):
-            return "open"
-        return "optional"
+        return "open" if self.thinks.open else "optional"
 
     def _logprobs(
         self, ready: Prepared, group: dict[str, Any], seq: dict[str, Any]
@@ -345,9 +370,10 @@ class ChatShape:
 
     def message(self, ready: Prepared, tokens: list[int]) -> dict[str, Any]:
         """The message a choice's `tokens` make, the echoed prompt's text first: a harmony
-        reply split into `reasoning_content` and `content`, the calls of offered tools parsed
-        out into `tool_calls`, else the text. The whole answer's choice and the last chunk of
-        a streamed one both read it."""
+        reply split into `reasoning_content` and `content`; else a thinking block split off
+        into `reasoning_content` (`chat_think`), then the calls of offered tools parsed out of
+        the rest into `tool_calls`, the rest of it the content. The whole answer's choice and
+        the last chunk of a streamed one both read it."""
         echoed = ready.tokens.text(ready.req.echoed(ready.prompt))
 
         def said(text: str | None) -> str | None:
@@ -358,10 +384,16 @@ class ChatShape:
             content = said(reply.content)
             return {"role": "assistant", "content": content, "reasoning_content": reply.reasoning}
         text = ready.tokens.text(tokens)
+        out: dict[str, Any] = {"role": "assistant"}
+        if self.thinks is not None:
+            reasoning, text = self.thinks.split(text)
+            if reasoning is not None:
+                out["reasoning_content"] = reasoning
         if self.tools is None:
-            return {"role": "assistant", "content": echoed + text}
+            out["content"] = echoed + text
+            return out
         parsed = parse_calls(text, self.call_form, self.tools)
-        out: dict[str, Any] = {"role": "assistant", "content": said(parsed.content)}
+        out["content"] = said(parsed.content)
         if parsed.calls:
             out["tool_calls"] = parsed.calls
         return out
@@ -385,8 +417,9 @@ class ChatShape:
     def stream(self, ready: Prepared, i: int) -> ChoiceStream:
         if self.harmony is not None:
             return ChannelStream(self, ready, i)
-        if self.tools is not None:
-            return CallStream(self, ready, i, self.call_form)
+        if self.tools is not None or self.thinks is not None:
+            form = None if self.tools is None else self.call_form
+            return CallStream(self, ready, i, form, self.thinks)
         return TextStream(self, ready, i)
 
     def extra(self, ready: Prepared) -> dict[str, Any]:

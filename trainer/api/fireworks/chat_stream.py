@@ -1,14 +1,16 @@
 """A chat choice streamed in parts (docs/semantics.md §25a): a reply in harmony channels sends
-`reasoning_content` and `content` deltas as each grows (`ChannelStream`); a reply that may call
-tools sends its content up to where a call may begin, then holds the rest until the end, whose
-chunk carries the calls (`CallStream`). What either sends adds up to the whole answer's
-message, which `ChatShape.message` makes from the same tokens for both.
+`reasoning_content` and `content` deltas as each grows (`ChannelStream`); a reply that may think
+or call tools sends its reasoning as it grows and its content up to where a call may begin
+(each less what may still grow into a tag), then holds the rest until the end, whose chunk
+carries the calls (`CallStream`). What either sends adds up to the whole answer's message,
+which `ChatShape.message` makes from the same tokens for both.
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol
 
+from trainer.api.fireworks.chat_think import Thinks, partial
 from trainer.api.fireworks.chat_tools import START, XML, XML_CALLS
 from trainer.api.fireworks.completion_stream import Ready
 
@@ -76,31 +78,38 @@ class ChannelStream(_Parts):
 
 
 class CallStream(_Parts):
-    """A reply that may call tools: its text is sent up to where a call may begin (the first
-    call tag, less any end of the text that could still grow into one); the last chunk has the
-    rest of the content and the calls, numbered by `index`, as the whole answer reads them."""
+    """A reply that may think (`thinks`) or call tools (`form`, None: no tools): its
+    reasoning is sent as it grows, its content up to where a call may begin (the first call
+    tag, less any end of the text that could still grow into one); the last chunk has the rest
+    of the content and the calls, numbered by `index`, as the whole answer reads them."""
 
-    def __init__(self, shape: ChatShape, ready: Ready, i: int, form: str) -> None:
+    def __init__(
+        self, shape: ChatShape, ready: Ready, i: int, form: str | None, thinks: Thinks | None
+    ) -> None:
         super().__init__(shape, ready, i)
-        self.marks = (START, XML_CALLS) if form == XML else (START,)
+        self.thinks = thinks
+        self.marks: tuple[str, ...] = ()
+        if form is not None:
+            self.marks = (START, XML_CALLS) if form == XML else (START,)
 
     def _visible(self, text: str) -> str:
         cut = min((text.find(m) for m in self.marks if m in text), default=len(text))
         text = text[:cut]
-        for mark in self.marks:  # hold an end that may be a mark's beginning
-            for n in range(min(len(mark) - 1, len(text)), 0, -1):
-                if text.endswith(mark[:n]):
-                    text = text[: len(text) - n]
-                    break
-        return text
+        held = max((partial(text, mark) for mark in self.marks), default=0)
+        return text[: len(text) - held]
 
     def step(self, made: list[int]) -> dict[str, Any] | None:
-        visible = self._visible(self.ready.tokens.text(made))
-        return self._chunk(self._delta({"content": self.echo + visible}, last=False))
+        text = self.ready.tokens.text(made)
+        reasoning, rest = (None, text) if self.thinks is None else self.thinks.split(text, False)
+        parts = {"content": self.echo + self._visible(rest)}
+        if self.thinks is not None:
+            parts = {"reasoning_content": reasoning or "", **parts}
+        return self._chunk(self._delta(parts, last=False))
 
     def end(self, group: dict[str, Any], seq: dict[str, Any]) -> dict[str, Any]:
         message = self.shape.message(self.ready, [int(t) for t in seq["tokens"]])
-        delta = self._delta({"content": message["content"] or ""}, last=True)
+        parts = {key: message.get(key) or "" for key in ("reasoning_content", "content")}
+        delta = self._delta(parts, last=True)
         calls = message.get("tool_calls", [])
         if calls:
             delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]

@@ -1,0 +1,151 @@
+"""Thinking blocks split off a chat reply into `reasoning_content` (docs/semantics.md §25a), on
+catalogue models with a byte-level BPE tokenizer: a tied Qwen3 whose template lets the reply
+open its own `<think>` block (Qwen3's way), and an untied Llama whose generation prompt opens
+the block (DeepSeek-R1's and Qwen3.5's way). The replies are held to a few known shapes by a
+`response_format` grammar, so each split is checked against the test's own reading of the
+completion's token ids, streamed or not, through the Fireworks SDK, and written back by the
+template as the very same text."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from tests.api.conftest import LiveServer
+from tests.fireworks import test_completions as completions
+from tests.fireworks.conftest import bpe_chat_model, client_script, run_inline, serve_for_alice
+
+pytestmark = pytest.mark.fireworks
+
+OWN = "accounts/fireworks/models/bpe-qwen3-thinks"  # the reply opens its block
+OPENED = "accounts/fireworks/models/bpe-llama-opened"  # the prompt opens it
+ROUTE = "/inference/v1/chat/completions"
+TURNS = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.reasoning_content is defined and m.reasoning_content %}"
+    "<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}"
+    "{{ m.content }}<|im_end|>\n{% endfor %}"
+)
+TEMPLATES = {
+    OWN: TURNS + "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}",
+    OPENED: TURNS + "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}",
+}
+THOUGHTS = '("hm" | "so so, maybe\\nnot")'
+ANSWERS = '("yes" | "no, not so")'
+GRAMMARS = {
+    OWN: f'root ::= "<think>\\n" {THOUGHTS} "\\n</think>\\n\\n" {ANSWERS} | {ANSWERS}',
+    OPENED: f'root ::= {THOUGHTS} "\\n</think>\\n\\n" {ANSWERS}',
+}
+ASK = [{"role": "user", "content": "hello world"}]
+KEYS: dict[str, str] = {}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("think-models")
+    out: dict[str, Path] = {}
+    for name, arch in ((OWN, "qwen3"), (OPENED, "llama")):
+        out[name] = bpe_chat_model(root / arch, arch, TEMPLATES[name], seed=6)
+    return out
+
+
+@pytest.fixture(scope="module")
+def live(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    with serve_for_alice(models, tmp_path_factory, KEYS) as server:
+        yield server
+
+
+def chat(live: LiveServer, **body: Any) -> dict[str, Any]:
+    with completions.inference(live, "alice", KEYS) as http:
+        response = http.post(ROUTE, json=body)
+    assert response.status_code == 200, response.text
+    out: dict[str, Any] = response.json()
+    return out
+
+
+def reference(model: str, text: str) -> tuple[str | None, str]:
+    """The test's own reading: (the reasoning, the answer) of a whole reply."""
+    if model == OPENED:
+        text = "<think>\n" + text
+    found = re.fullmatch(r"<think>\n(.*?)\n</think>\n\n(.*)", text, flags=re.DOTALL)
+    if found is None:
+        return None, text
+    return found.group(1), found.group(2)
+
+
+def body(model: str, **extra: Any) -> dict[str, Any]:
+    out = {"model": model, "messages": ASK, "n": 8, "max_tokens": 40, "seed": 3}
+    out |= {"temperature": 1.0, "return_token_ids": True}
+    out["response_format"] = {"type": "grammar", "grammar": GRAMMARS[model]}
+    return out | extra
+
+
+@pytest.mark.parametrize("model", [OWN, OPENED])
+def test_the_thinking_is_the_reasoning_and_the_rest_the_content(
+    live: LiveServer, models: dict[str, Path], model: str
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(models[model])
+    seen = set()
+    for choice in chat(live, **body(model))["choices"]:
+        assert choice["finish_reason"] == "stop", choice
+        text = tokenizer.decode([t for t in choice["token_ids"] if t != 1])
+        reasoning, content = reference(model, text)
+        message = choice["message"]
+        assert message.get("reasoning_content") == reasoning and message["content"] == content
+        assert ("reasoning_content" in message) is (reasoning is not None)
+        seen.add(reasoning is None)
+        # the template writes the answer back as the very reply
+        turn = {"role": "assistant", "content": content, "reasoning_content": reasoning}
+        written = tokenizer.apply_chat_template([*ASK, turn], tokenize=False)
+        whole = f"<think>\n{reasoning}\n</think>\n\n{content}" if reasoning else content
+        assert written.endswith(f"<|im_start|>assistant\n{whole}<|im_end|>\n"), written
+    assert seen == ({True, False} if model == OWN else {False})
+
+
+@pytest.mark.parametrize("model", [OWN, OPENED])
+def test_a_reply_cut_while_thinking_is_all_reasoning(live: LiveServer, model: str) -> None:
+    thought = "so so, maybe not, " * 4
+    opening = '"<think>\\n" ' if model == OWN else ""
+    grammar = f'root ::= {opening}"{thought}" "\\n</think>\\n\\nyes"'
+    constraint = {"type": "grammar", "grammar": grammar}
+    out = chat(live, **body(model, n=1, max_tokens=16, response_format=constraint))
+    (choice,) = out["choices"]
+    assert choice["finish_reason"] == "length"
+    message = choice["message"]
+    assert message["content"] == "" and message["reasoning_content"]
+    assert thought.startswith(message["reasoning_content"]), message
+
+
+@pytest.mark.parametrize("model", [OWN, OPENED])
+def test_streamed_deltas_add_up_to_the_whole_message(live: LiveServer, model: str) -> None:
+    for seed in range(4):
+        asked = body(model, n=1, seed=seed)
+        whole = chat(live, **asked)["choices"][0]["message"]
+        with completions.inference(live, "alice", KEYS) as http:
+            response = http.post(ROUTE, json={**asked, "stream": True})
+        assert response.status_code == 200, response.text
+        message, finish, _ = completions.chat_message(response)
+        assert finish == "stop"
+        assert message == whole
+
+
+def test_the_sdk_reads_the_reasoning_apart(live: LiveServer, fw_python_latest: Path) -> None:
+    script = client_script(
+        "model, messages, grammar",
+        "r = client.chat.completions.create(model=model, messages=json.loads(messages),"
+        " max_tokens=40, seed=5, n=4, response_format={'type': 'grammar', 'grammar': grammar})\n"
+        "print(json.dumps([[c.message.reasoning_content, c.message.content]"
+        " for c in r.choices]))\n",
+    )
+    argv = [live.url, KEYS["alice"], OPENED, json.dumps(ASK), GRAMMARS[OPENED]]
+    answers = run_inline(fw_python_latest, script, argv)
+    for reasoning, content in answers:
+        assert reasoning in ("hm", "so so, maybe\nnot") and content in ("yes", "no, not so")
