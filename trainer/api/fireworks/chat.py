@@ -234,6 +234,24 @@ def thinking_asked(name: str, value: Any) -> bool | None:
     return None
 
 
+def _switch(field: str, on: bool, template: str, model: str) -> dict[str, Any]:
+    """The template's variables that turn thinking on or off, as `field` asks: its
+    `enable_thinking` switch; on, also a harmony template's `reasoning_effort` (`medium`, as
+    the Fireworks API reads `true`) or nothing where the template thinks by default."""
+    if SWITCH in template:
+        return {SWITCH: on}
+    if on and "reasoning_effort" in template:
+        return {"reasoning_effort": "medium"}
+    if on and THINK in template:
+        return {}
+    how = "turned on: it writes no thinking" if on else "turned off"
+    raise bad_request(
+        f"{field}: the chat template of {model} has no {SWITCH} switch, so thinking cannot "
+        f"be {how}",
+        field,
+    )
+
+
 class ChatShape:
     """One chat request's rendering and answer: `chat.completion` objects whose choices carry
     a `message` (streamed: `chat.completion.chunk` with a `delta`)."""
@@ -275,7 +293,8 @@ class ChatShape:
             )
         switch: dict[str, Any] = {}
         if self.thinking is not None:
-            switch |= self._switch(str(tokenizer.chat_template), entry.name)
+            field, on = self.thinking
+            switch |= _switch(field, on, str(tokenizer.chat_template), entry.name)
         if self.tools is not None:
             self.call_form = check_template(tokenizer, entry.name)
             switch["tools"] = self.tools
@@ -319,25 +338,6 @@ class ChatShape:
                 )
             req = dataclasses.replace(req, max_tokens=left)
         return req, ids
-
-    def _switch(self, template: str, model: str) -> dict[str, Any]:
-        """The template's variables that turn thinking on or off as `self.thinking` asks: its
-        `enable_thinking` switch; on, also a harmony template's `reasoning_effort` (`medium`,
-        as the Fireworks API reads `true`) or nothing where the template thinks by default."""
-        assert self.thinking is not None
-        field, on = self.thinking
-        if SWITCH in template:
-            return {SWITCH: on}
-        if on and "reasoning_effort" in template:
-            return {"reasoning_effort": "medium"}
-        if on and THINK in template:
-            return {}
-        how = "turned on: it writes no thinking" if on else "turned off"
-        raise bad_request(
-            f"{field}: the chat template of {model} has no {SWITCH} switch, so thinking cannot "
-            f"be {how}",
-            field,
-        )
 
     def _thinking(self) -> Thinking:
         """Where a forced call's reply may think first: inside the block the rendered prompt
