@@ -26,6 +26,7 @@ from trainer.api.fireworks.chat_harmony import Harmony
 from trainer.api.fireworks.chat_stream import CallStream, ChannelStream
 from trainer.api.fireworks.chat_think import THINK, Thinks
 from trainer.api.fireworks.chat_tools import HERMES, check_template, parse_calls, parse_tools
+from trainer.api.fireworks.chat_truncate import fit, parse_truncate_len
 from trainer.api.fireworks.completion_run import Prepared, serve
 from trainer.api.fireworks.completion_stream import ChoiceStream, TextStream
 from trainer.api.fireworks.completions_wire import (
@@ -192,7 +193,7 @@ def parse_chat(raw: dict[str, Any]) -> tuple[CompletionRequest, ChatShape]:
     if token_ids is not None and not isinstance(token_ids, bool):
         raise bad_request("return_token_ids: must be a boolean", "return_token_ids")
     chat_only = {*NOT_SERVED, *IGNORED, "messages", "max_completion_tokens", "tools", "tool_choice"}
-    chat_only |= {"context_length_exceeded_behavior", "return_token_ids"}
+    chat_only |= {"context_length_exceeded_behavior", "return_token_ids", "prompt_truncate_len"}
     body = {k: v for k, v in raw.items() if k not in chat_only}
     body["prompt"] = [0]  # the rendered messages take its place (`ChatShape.prompt`)
     body.pop("max_tokens", None)
@@ -211,7 +212,16 @@ def parse_chat(raw: dict[str, Any]) -> tuple[CompletionRequest, ChatShape]:
     )
     effort = raw.get("reasoning_effort")
     effort = effort if isinstance(effort, str) and effort in EFFORTS else None
-    shape = ChatShape(messages, asked is not None, bool(token_ids), thinking, tools, effort, forced)
+    shape = ChatShape(
+        messages,
+        asked is not None,
+        bool(token_ids),
+        thinking,
+        tools=tools,
+        effort=effort,
+        forced=forced,
+        truncate_len=parse_truncate_len(raw.get("prompt_truncate_len")),
+    )
     return req, shape
 
 
@@ -266,9 +276,11 @@ class ChatShape:
         max_given: bool,
         token_ids: bool,
         thinking: tuple[str, bool] | None,
+        *,
         tools: list[dict[str, Any]] | None = None,
         effort: str | None = None,
         forced: Forced | None = None,
+        truncate_len: int | None = None,
     ) -> None:
         self.messages = messages
         self.effort = effort  # the template's `reasoning_effort` (GPT-OSS's)
@@ -277,6 +289,7 @@ class ChatShape:
         self.tools = tools  # offered: rendered by the template, calls parsed (`chat_tools`)
         self.call_form = HERMES  # how the template writes calls (`chat_tools.check_template`)
         self.forced = forced  # a required or named call (`tool_choice.py`)
+        self.truncate_len = truncate_len  # the prompt's most tokens (`chat_truncate.py`)
         self.max_given = max_given  # otherwise the rest of the context after the prompt
         self.token_ids = token_ids
         self.thinking = thinking  # the field that set the template's thinking, and how
@@ -309,25 +322,33 @@ class ChatShape:
                 "tokens a grammar cannot allow; constrained decoding is not served for it",
                 "response_format",
             )
-        try:
-            self.rendered = str(
-                tokenizer.apply_chat_template(
-                    self.messages, tokenize=False, add_generation_prompt=True, **switch
+
+        def render(messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
+            try:
+                text = str(
+                    tokenizer.apply_chat_template(
+                        messages, tokenize=False, add_generation_prompt=True, **switch
+                    )
                 )
-            )
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
-            # the template ran on the caller's messages: what it raises is about them
-            raise bad_request(
-                f"messages: the chat template of {entry.name} refuses them: {str(exc)[:300]}",
-                "messages",
-            ) from None
+            except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
+                # the template ran on the caller's messages: what it raises is about them
+                raise bad_request(
+                    f"messages: the chat template of {entry.name} refuses them: {str(exc)[:300]}",
+                    "messages",
+                ) from None
+            return text, [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+
+        self.rendered, ids = render(self.messages)
+        limit = self.truncate_len
+        if limit is not None and len(ids) > limit:
+            kept = fit(self.messages, lambda messages: len(render(messages)[1]), limit)
+            self.rendered, ids = render(kept)
         if self.harmony is None:
             self.thinks = Thinks.of(str(tokenizer.chat_template), self.rendered)
         if self.forced is not None and self.tools is not None:
             thinking = self._thinking()
             grammar = calls_grammar(self.forced, self.tools, self.call_form, thinking)
             req = dataclasses.replace(req, response_format=grammar)
-        ids = [int(t) for t in tokenizer.encode(self.rendered, add_special_tokens=False)]
         if not self.max_given:
             left = entry.max_seq_length - len(ids)
             if left < 1:
