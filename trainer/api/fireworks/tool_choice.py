@@ -10,9 +10,10 @@ block where the template lets the model think:
 - *XML*: each call `<tool_call>\\n<function=NAME>\\n`, then
   `<parameter=KEY>\\nVALUE\\n</parameter>\\n` for each property of the schema, in its order
   (the `required` ones always, the others perhaps), then `</function>\\n</tool_call>`. A VALUE
-  whose schema type is integer, number, boolean, object or array is JSON of that schema; a
-  string enum one of its values; anything else text (up to the closing tag). A schema without
-  properties takes any keys, as text.
+  whose schema type is integer, number, object or array is JSON of that schema; a boolean
+  `True` or `False` (Python's, as the template's `string` writes it); a string enum one of its
+  values; anything else text (up to the closing tag). A schema without properties takes any
+  keys, as text.
 Calls follow one another after a newline: one or more of any offered tool for `required`,
 exactly one of the named tool for a named choice.
 """
@@ -30,7 +31,9 @@ from trainer.serving.errors import bad_request
 FIELD = "tool_choice"
 # the template's `tojson`: json.dumps' separators, no other whitespace
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-JSON_TYPES = ("integer", "number", "boolean", "object", "array")  # XML values written as JSON
+# XML values the template writes as JSON (`tojson` for objects and arrays; a number's `string`
+# is its JSON); a boolean's `string` is Python's, True or False
+JSON_TYPES = ("integer", "number", "object", "array")
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 # where the model thinks first: not at all, perhaps (a `<think>` block of its own), or inside
 # the block the generation prompt opened (the reply must close it)
@@ -156,6 +159,8 @@ def _xml_value(i: int, sub: Any, schema: dict[str, Any], value_end: str) -> str:
     enum = sub.get("enum")
     if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
         return "(" + " | ".join(_text(v) for v in enum) + f") {value_end}"
+    if sub.get("type") == "boolean":
+        return f'("True" | "False") {value_end}'
     if sub.get("type") in JSON_TYPES:
         # the root's definitions go along, so that a `$ref` into them still resolves
         shared = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
