@@ -113,9 +113,14 @@ def run_fw(
     return run_json(python, argv, fw_env(server, api_key, **env), timeout, REPO)
 
 
-def bpe_chat_model(where: Path, arch: str, template: str, seed: int) -> Path:
+def bpe_chat_model(
+    where: Path, arch: str, template: str, seed: int, added: tuple[str, ...] = ()
+) -> Path:
     """A tiny `arch` model (qwen3 tied, else untied) with a byte-level BPE tokenizer, which
-    constrained decoding can read, and `template` as its chat template."""
+    constrained decoding can read, and `template` as its chat template. `added`: tokens added
+    to its vocabulary as Qwen3's `<think>` and `<tool_call>` are (not special: decoding keeps
+    them)."""
+    from tokenizers import AddedToken
     from transformers import AutoTokenizer
 
     from tests.engine.test_grammar import build_bpe_tokenizer
@@ -123,6 +128,7 @@ def bpe_chat_model(where: Path, arch: str, template: str, seed: int) -> Path:
 
     build_bpe_tokenizer(where)
     tokenizer = AutoTokenizer.from_pretrained(where)
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     tokenizer.chat_template = template
     tokenizer.save_pretrained(where)
     vocab, tied = len(tokenizer), arch == "qwen3"

@@ -29,6 +29,9 @@ pytestmark = pytest.mark.fireworks
 
 QWEN = "accounts/fireworks/models/bpe-qwen3-tools"
 LLAMA = "accounts/fireworks/models/bpe-llama-xml-tools"
+# Qwen3's tokenizer holds its tags as added tokens, which llguidance takes for special ones
+TAGGED = "accounts/fireworks/models/bpe-qwen3-added-tags"
+TAGS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
 ROUTE = "/inference/v1/chat/completions"
 # Qwen3's way: a thinking switch, calls as `tojson` of {name, arguments}, one per line
 HERMES_TEMPLATE = (
@@ -83,6 +86,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out: dict[str, Path] = {}
     for name, arch, template in ((QWEN, "qwen3", HERMES_TEMPLATE), (LLAMA, "llama", XML_TEMPLATE)):
         out[name] = bpe_chat_model(root / arch, arch, template, seed=5)
+    out[TAGGED] = bpe_chat_model(root / "tagged", "qwen3", HERMES_TEMPLATE, seed=5, added=TAGS)
     return out
 
 
@@ -151,7 +155,7 @@ def check_answer(
     assert choice["finish_reason"] == "tool_calls", choice
     ids = [t for t in choice["token_ids"] if t != 1]
     text = tokenizer.decode(ids)
-    form = HERMES if model == QWEN else XML
+    form = XML if model == LLAMA else HERMES
     calls = read_calls(text, form)
     assert calls and {name for name, _ in calls} <= names
     for name, arguments in calls:
@@ -320,3 +324,41 @@ def test_what_a_forced_call_cannot_be_is_a_400_naming_it(
 ) -> None:
     error = chat(live, 400, model=QWEN, messages=ASK, **body)["error"]
     assert error["param"] == param, error
+
+
+def test_added_tags_are_drawn_as_their_tokens(live: LiveServer, models: dict[str, Path]) -> None:
+    """A tag the tokenizer holds as one added token is drawn as that token, as the model
+    writes it, never spelled out in pieces (which llguidance would not allow either way)."""
+    tokenizer = AutoTokenizer.from_pretrained(models[TAGGED])
+    start, end = tokenizer.convert_tokens_to_ids(["<tool_call>", "</tool_call>"])
+    body = {"model": TAGGED, "messages": ASK, "tools": TOOLS, "tool_choice": "required"}
+    body |= {"n": 4, "max_tokens": 60, "seed": 11, "temperature": 1.0, "return_token_ids": True}
+    choices = chat(live, **body, reasoning_effort="none")["choices"]
+    finished = [c for c in choices if c["finish_reason"] == "tool_calls"]
+    assert finished, choices
+    for choice in finished:
+        calls = check_answer(models, TAGGED, choice, {"add", "flip"})
+        ids = choice["token_ids"]
+        assert ids.count(start) == ids.count(end) == len(calls)
+
+
+def test_thinking_ends_at_the_added_tag(models: dict[str, Path]) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(models[TAGGED])
+    grammar = calls_grammar(Forced(None), TOOLS, HERMES, "optional", frozenset(TAGS)).text
+    lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=[1])
+
+    def accepts(ids: list[int]) -> bool:
+        matcher = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_lark(grammar))
+        return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+    def spelled(text: str) -> list[int]:  # each character alone: the tags in pieces
+        return [t for ch in text for t in tokenizer.encode(ch, add_special_tokens=False)]
+
+    def tokens(text: str) -> list[int]:
+        return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+
+    assert accepts(tokens(f"<think>\nhm, a </thin b\n</think>\n\n{CALL}"))
+    assert accepts(tokens(CALL))
+    assert not accepts(spelled("<tool_call>") + tokens(CALL.removeprefix("<tool_call>")))
+    thought_spelled = tokens("<think>\nhm") + spelled("</think>") + tokens(f"\n</think>\n\n{CALL}")
+    assert not accepts(thought_spelled)  # the thought may not hold the tag spelled out

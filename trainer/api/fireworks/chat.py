@@ -38,6 +38,7 @@ from trainer.api.fireworks.completions_wire import (
     raw_output,
 )
 from trainer.api.fireworks.tool_choice import (
+    TAGS,
     Forced,
     Thinking,
     calls_grammar,
@@ -347,7 +348,9 @@ class ChatShape:
             self.thinks = Thinks.of(str(tokenizer.chat_template), self.rendered)
         if self.forced is not None and self.tools is not None:
             thinking = self._thinking()
-            grammar = calls_grammar(self.forced, self.tools, self.call_form, thinking)
+            held: dict[str, int] = getattr(tokenizer, "get_added_vocab", dict)()
+            added = frozenset(tag for tag in TAGS if tag in held)
+            grammar = calls_grammar(self.forced, self.tools, self.call_form, thinking, added)
             req = dataclasses.replace(req, response_format=grammar)
         if not self.max_given:
             left = entry.max_seq_length - len(ids)

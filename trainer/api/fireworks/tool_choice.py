@@ -21,14 +21,19 @@ exactly one of the named tool for a named choice.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from trainer.api.fireworks.chat_tools import END as CALL_END
+from trainer.api.fireworks.chat_tools import START as CALL
 from trainer.api.fireworks.chat_tools import XML
 from trainer.contract.grammar import OutputGrammar
 from trainer.serving.errors import bad_request
 
 FIELD = "tool_choice"
+THINK, THINK_END = "<think>", "</think>"
+TAGS = (CALL, CALL_END, THINK, THINK_END)  # what a tokenizer may hold as added tokens
 # the template's `tojson`: json.dumps' separators, no other whitespace
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # XML values the template writes as JSON (`tojson` for objects and arrays; a number's `string`
@@ -88,23 +93,56 @@ def check_forced(forced: Forced, tools: list[dict[str, Any]] | None) -> None:
 
 
 def calls_grammar(
-    forced: Forced, tools: list[dict[str, Any]], form: str, thinking: Thinking
+    forced: Forced,
+    tools: list[dict[str, Any]],
+    form: str,
+    thinking: Thinking,
+    added: frozenset[str] = frozenset(),
 ) -> OutputGrammar:
-    """The reply's grammar: calls in the template's `form`, after thinking as `thinking` says."""
+    """The reply's grammar: calls in the template's `form`, after thinking as `thinking` says.
+    `added`: the tags (`TAGS`) the tokenizer holds as added tokens, which llguidance allows
+    only as those tokens (by name, `<tool_call>`), as the model writes them, never spelled out
+    in pieces."""
+
+    def tag(text: str) -> str:
+        return text if text in added else _text(text)
+
     chosen = [t for t in tools if forced.name in (None, t["function"]["name"])]
+    functions = " | ".join(f"fn_{i}" for i in range(len(chosen)))
     rules = [
         *(_xml(i, tool) if form == XML else _hermes(i, tool) for i, tool in enumerate(chosen)),
-        'call: "<tool_call>\\n" (' + " | ".join(f"fn_{i}" for i in range(len(chosen))) + ")"
-        ' "\\n</tool_call>"',
+        f'call: {tag(CALL)} "\\n" ({functions}) "\\n" {tag(CALL_END)}',
         "calls: call" + (' ("\\n" call)*' if forced.name is None else ""),
-        'think_rest[lazy]: /(.|\\n)*/ "</think>"',
     ]
+    if THINK_END in added:  # the text up to that token, which it cannot hold spelled out
+        rules += [f"think_rest: THINK_TEXT {THINK_END}", f"THINK_TEXT: /{_without(THINK_END)}/"]
+    else:
+        rules.append(f'think_rest[lazy]: /(.|\\n)*/ "{THINK_END}"')
     start = {
         "off": "start: calls",
-        "optional": 'start: ("<think>" think_rest "\\n\\n")? calls',
+        "optional": f'start: ({tag(THINK)} think_rest "\\n\\n")? calls',
         "open": 'start: think_rest "\\n\\n" calls',
     }[thinking]
     return OutputGrammar("lark", "\n".join([start, *rules]), FIELD)
+
+
+def _without(mark: str) -> str:
+    """A regex (Lark's, `/` escaped) of the texts that do not hold `mark`, a text whose first
+    character is in it only once: from each partial match, a character that neither goes on
+    nor starts again leaves it, one that starts again (the first character) restarts it."""
+    first, rest = re.escape(mark[0]), [re.escape(c) for c in mark[1:]]
+
+    partial = ""  # a proper start of mark[1:], perhaps none: "(a(b)?)?"
+    for c in reversed(rest[:-1]):
+        partial = f"({c}{partial})?"
+    leave, out = "", ""
+    for k in range(len(rest), 0, -1):  # after first + rest[:k-1], a character that is not rest[k-1]
+        inner = f"[^{first}{rest[k - 1]}]"
+        leave = inner if not leave else f"({inner}|{rest[k - 1]}{leave})"
+        out = leave
+    again = f"{partial}{first}"
+    regex = f"([^{first}]|{first}({again})*{out})*({first}({again})*{partial})?"
+    return regex.replace("/", "\\/")
 
 
 def lark_error(text: str) -> str:
