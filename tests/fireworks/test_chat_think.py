@@ -149,3 +149,65 @@ def test_the_sdk_reads_the_reasoning_apart(live: LiveServer, fw_python_latest: P
     answers = run_inline(fw_python_latest, script, argv)
     for reasoning, content in answers:
         assert reasoning in ("hm", "so so, maybe\nnot") and content in ("yes", "no, not so")
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    ("thinking", "text", "accepted"),
+    [
+        ("optional", '<think>\nhm, {"answer" </thin\n</think>\n\n{"answer": "no"}', True),
+        ("optional", '{"answer": "yes"}', True),
+        ("optional", "<think>\nhm\n</think>\n\nyes", False),  # the answer must be the JSON
+        ("optional", '<think>\nhm\n</think>{"answer": "no"}', False),  # as the template writes
+        ("open", 'hm\n</think>\n\n{"answer": "yes"}', True),
+        ("open", '{"answer": "yes"}', False),  # the open block must close first
+    ],
+)
+def test_a_json_answer_may_follow_the_thinking(
+    models: dict[str, Path], thinking: Any, text: str, accepted: bool
+) -> None:
+    import llguidance
+    import llguidance.hf
+
+    from trainer.api.fireworks.chat_think import thinking_first
+    from trainer.contract.grammar import OutputGrammar
+
+    grammar = thinking_first(
+        OutputGrammar("json_schema", json.dumps(SCHEMA)), thinking, frozenset()
+    )
+    tokenizer = AutoTokenizer.from_pretrained(models[OWN])
+    lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=[1])
+    matcher = llguidance.LLMatcher(lltok, grammar.text)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert (all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()) is accepted
+
+
+def test_response_format_holds_the_content_after_the_thinking(live: LiveServer) -> None:
+    """On a template that thinks, the grammar is the answer's: a reply may think first, and its
+    content is JSON that fits (checked by hand); a reply cut while thinking has no content."""
+    asked = {"model": OWN, "messages": ASK, "n": 8, "max_tokens": 40, "seed": 4}
+    asked |= {"temperature": 1.0, "response_format": {"type": "json_object", "schema": SCHEMA}}
+    choices = chat(live, **asked)["choices"]
+    finished = [c for c in choices if c["finish_reason"] == "stop"]
+    assert finished, choices
+    for choice in finished:
+        assert json.loads(choice["message"]["content"])["answer"] in ("yes", "no"), choice
+    for choice in choices:  # a cut reply: no content yet, or the start of the JSON
+        content = choice["message"]["content"].lstrip()
+        assert content == "" or content.startswith("{"), choice
+
+
+def test_a_bad_grammar_on_a_thinking_model_is_a_400(live: LiveServer) -> None:
+    with completions.inference(live, "alice", KEYS) as http:
+        body = {"model": OWN, "messages": ASK, "response_format": {"type": "grammar"}}
+        body["response_format"]["grammar"] = "root ::= ("
+        response = http.post(ROUTE, json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "response_format"

@@ -155,6 +155,8 @@ def _grammar(spec: OutputGrammar) -> str:
     try:
         if spec.kind == "json_schema":
             return str(llguidance.LLMatcher.grammar_from_json_schema(spec.text))
+        if spec.kind == "llguidance":  # already llguidance's own
+            return spec.text
         if spec.kind == "lark":
             return str(llguidance.LLMatcher.grammar_from_lark(spec.text))
         return str(llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(spec.text)))

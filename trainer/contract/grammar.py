@@ -8,12 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-GrammarKind = Literal["json_schema", "gbnf", "lark"]
+GrammarKind = Literal["json_schema", "gbnf", "lark", "llguidance"]
 
 
 @dataclass(frozen=True)
 class OutputGrammar:
-    """`text`: a JSON Schema as JSON text (`json_schema`), or the grammar's GBNF or Lark. `field`:
+    """`text`: a JSON Schema as JSON text (`json_schema`), the grammar's GBNF or Lark, or
+    llguidance's own JSON of several grammars, one referring to others (`llguidance`). `field`:
     the request field it came from, which an error names."""
 
     kind: GrammarKind

@@ -24,7 +24,7 @@ from fastapi.responses import Response
 
 from trainer.api.fireworks.chat_harmony import Harmony
 from trainer.api.fireworks.chat_stream import CallStream, ChannelStream
-from trainer.api.fireworks.chat_think import THINK, Thinks
+from trainer.api.fireworks.chat_think import THINK, THINK_END, Thinks, thinking_first
 from trainer.api.fireworks.chat_tools import HERMES, check_template, parse_calls, parse_tools
 from trainer.api.fireworks.chat_truncate import fit, parse_truncate_len
 from trainer.api.fireworks.completion_run import Prepared, serve
@@ -346,12 +346,16 @@ class ChatShape:
             self.rendered, ids = render(kept)
         if self.harmony is None:
             self.thinks = Thinks.of(str(tokenizer.chat_template), self.rendered)
+        held: dict[str, int] = getattr(tokenizer, "get_added_vocab", dict)()
+        added = frozenset(tag for tag in TAGS if tag in held)
+        mode, asked = self._thinking(), req.response_format
         if self.forced is not None and self.tools is not None:
-            thinking = self._thinking()
-            held: dict[str, int] = getattr(tokenizer, "get_added_vocab", dict)()
-            added = frozenset(tag for tag in TAGS if tag in held)
-            grammar = calls_grammar(self.forced, self.tools, self.call_form, thinking, added)
+            grammar = calls_grammar(self.forced, self.tools, self.call_form, mode, added)
             req = dataclasses.replace(req, response_format=grammar)
+        elif asked is not None and mode != "off" and THINK_END not in asked.text:
+            # the asked grammar holds the answer after the thinking (one that writes
+            # `</think>` itself holds the whole reply)
+            req = dataclasses.replace(req, response_format=thinking_first(asked, mode, added))
         if not self.max_given:
             left = entry.max_seq_length - len(ids)
             if left < 1:

@@ -12,9 +12,18 @@ reasoning; a reply that opens no block is all content.
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
+from typing import Literal
+
+from trainer.contract.grammar import OutputGrammar
+from trainer.serving.errors import bad_request
 
 THINK, THINK_END = "<think>", "</think>"
+# where a constrained reply may think first (`think_rules`): not at all, perhaps (a block of its
+# own), or inside the block the generation prompt opened (the reply must close it)
+Thinking = Literal["off", "optional", "open"]
 
 
 @dataclass(frozen=True)
@@ -56,3 +65,68 @@ def partial(text: str, mark: str) -> int:
         if text.endswith(mark[:n]):
             return n
     return 0
+
+
+def lark_tag(text: str, added: frozenset[str]) -> str:
+    """`text` in a Lark grammar: the token of that name when the tokenizer holds it as an added
+    token (`added`; llguidance allows such a token only by name), else a string literal."""
+    return text if text in added else json.dumps(text, ensure_ascii=False)
+
+
+def think_rules(thinking: Thinking, added: frozenset[str]) -> tuple[str, list[str]]:
+    """A constrained reply's thinking, in Lark: what its `start` opens with ("" for none) and
+    the rules that uses. A thought runs to the first `</think>`; where that is an added token,
+    to that token, and the thought may not hold its text spelled out."""
+    if THINK_END in added:
+        rules = [f"think_rest: THINK_TEXT {THINK_END}", f"THINK_TEXT: /{_without(THINK_END)}/"]
+    else:
+        rules = [f'think_rest[lazy]: /(.|\\n)*/ "{THINK_END}"']
+    opening = {
+        "off": "",
+        "optional": f'({lark_tag(THINK, added)} think_rest "\\n\\n")?',
+        "open": 'think_rest "\\n\\n"',
+    }[thinking]
+    return opening, rules if opening else []
+
+
+def thinking_first(
+    grammar: OutputGrammar, thinking: Thinking, added: frozenset[str]
+) -> OutputGrammar:
+    """`grammar` (a `response_format`) held to the reply's content, after its thinking as
+    `thinking` says: llguidance's grammar of several, the first the thinking then the second,
+    the asked one (`@answer`)."""
+    opening, rules = think_rules(thinking, added)
+    main = "\n".join([f"start: {opening} @answer", *rules])
+    answer: dict[str, object] = {"name": "answer"}
+    if grammar.kind == "json_schema":
+        answer["json_schema"] = json.loads(grammar.text)
+    elif grammar.kind == "gbnf":
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+
+        try:
+            answer["lark_grammar"] = gbnf_to_lark(grammar.text)
+        except Exception as exc:  # the converter raises plain Exception on bad text
+            raise bad_request(f"{grammar.field}: {str(exc)[:300]}", grammar.field) from None
+    else:
+        answer["lark_grammar"] = grammar.text
+    composed = json.dumps({"grammars": [{"lark_grammar": main}, answer]})
+    return OutputGrammar("llguidance", composed, grammar.field)
+
+
+def _without(mark: str) -> str:
+    """A regex (Lark's, `/` escaped) of the texts that do not hold `mark`, a text whose first
+    character is in it only once: from each partial match, a character that neither goes on
+    nor starts again leaves it, one that starts again (the first character) restarts it."""
+    first, rest = re.escape(mark[0]), [re.escape(c) for c in mark[1:]]
+
+    partial = ""  # a proper start of mark[1:], perhaps none: "(a(b)?)?"
+    for c in reversed(rest[:-1]):
+        partial = f"({c}{partial})?"
+    leave, out = "", ""
+    for k in range(len(rest), 0, -1):  # after first + rest[:k-1], a character that is not rest[k-1]
+        inner = f"[^{first}{rest[k - 1]}]"
+        leave = inner if not leave else f"({inner}|{rest[k - 1]}{leave})"
+        out = leave
+    again = f"{partial}{first}"
+    regex = f"([^{first}]|{first}({again})*{out})*({first}({again})*{partial})?"
+    return regex.replace("/", "\\/")

@@ -21,10 +21,10 @@ exactly one of the named tool for a named choice.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
+from trainer.api.fireworks.chat_think import THINK, THINK_END, Thinking, lark_tag, think_rules
 from trainer.api.fireworks.chat_tools import END as CALL_END
 from trainer.api.fireworks.chat_tools import START as CALL
 from trainer.api.fireworks.chat_tools import XML
@@ -32,7 +32,6 @@ from trainer.contract.grammar import OutputGrammar
 from trainer.serving.errors import bad_request
 
 FIELD = "tool_choice"
-THINK, THINK_END = "<think>", "</think>"
 TAGS = (CALL, CALL_END, THINK, THINK_END)  # what a tokenizer may hold as added tokens
 # the template's `tojson`: json.dumps' separators, no other whitespace
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -40,9 +39,6 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 # is its JSON); a boolean's `string` is Python's, True or False
 JSON_TYPES = ("integer", "number", "object", "array")
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
-# where the model thinks first: not at all, perhaps (a `<think>` block of its own), or inside
-# the block the generation prompt opened (the reply must close it)
-Thinking = Literal["off", "optional", "open"]
 
 
 @dataclass(frozen=True)
@@ -105,7 +101,7 @@ def calls_grammar(
     in pieces."""
 
     def tag(text: str) -> str:
-        return text if text in added else _text(text)
+        return lark_tag(text, added)
 
     chosen = [t for t in tools if forced.name in (None, t["function"]["name"])]
     functions = " | ".join(f"fn_{i}" for i in range(len(chosen)))
@@ -114,35 +110,9 @@ def calls_grammar(
         f'call: {tag(CALL)} "\\n" ({functions}) "\\n" {tag(CALL_END)}',
         "calls: call" + (' ("\\n" call)*' if forced.name is None else ""),
     ]
-    if THINK_END in added:  # the text up to that token, which it cannot hold spelled out
-        rules += [f"think_rest: THINK_TEXT {THINK_END}", f"THINK_TEXT: /{_without(THINK_END)}/"]
-    else:
-        rules.append(f'think_rest[lazy]: /(.|\\n)*/ "{THINK_END}"')
-    start = {
-        "off": "start: calls",
-        "optional": f'start: ({tag(THINK)} think_rest "\\n\\n")? calls',
-        "open": 'start: think_rest "\\n\\n" calls',
-    }[thinking]
-    return OutputGrammar("lark", "\n".join([start, *rules]), FIELD)
-
-
-def _without(mark: str) -> str:
-    """A regex (Lark's, `/` escaped) of the texts that do not hold `mark`, a text whose first
-    character is in it only once: from each partial match, a character that neither goes on
-    nor starts again leaves it, one that starts again (the first character) restarts it."""
-    first, rest = re.escape(mark[0]), [re.escape(c) for c in mark[1:]]
-
-    partial = ""  # a proper start of mark[1:], perhaps none: "(a(b)?)?"
-    for c in reversed(rest[:-1]):
-        partial = f"({c}{partial})?"
-    leave, out = "", ""
-    for k in range(len(rest), 0, -1):  # after first + rest[:k-1], a character that is not rest[k-1]
-        inner = f"[^{first}{rest[k - 1]}]"
-        leave = inner if not leave else f"({inner}|{rest[k - 1]}{leave})"
-        out = leave
-    again = f"{partial}{first}"
-    regex = f"([^{first}]|{first}({again})*{out})*({first}({again})*{partial})?"
-    return regex.replace("/", "\\/")
+    opening, thought = think_rules(thinking, added)
+    start = f"start: {opening} calls"
+    return OutputGrammar("lark", "\n".join([start, *rules, *thought]), FIELD)
 
 
 def lark_error(text: str) -> str:
@@ -162,7 +132,7 @@ def _arguments(tool: dict[str, Any]) -> dict[str, Any]:
 
 def _text(value: str) -> str:
     """`value` as a Lark string literal."""
-    return json.dumps(value, ensure_ascii=False)
+    return lark_tag(value, frozenset())
 
 
 def _hermes(i: int, tool: dict[str, Any]) -> str:
