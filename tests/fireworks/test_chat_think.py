@@ -25,6 +25,7 @@ pytestmark = pytest.mark.fireworks
 
 OWN = "accounts/fireworks/models/bpe-qwen3-thinks"  # the reply opens its block
 OPENED = "accounts/fireworks/models/bpe-llama-opened"  # the prompt opens it
+TAGGED = "accounts/fireworks/models/bpe-llama-opened-tags"  # and `</think>` is one token
 ROUTE = "/inference/v1/chat/completions"
 TURNS = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n"
@@ -54,6 +55,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out: dict[str, Path] = {}
     for name, arch in ((OWN, "qwen3"), (OPENED, "llama")):
         out[name] = bpe_chat_model(root / arch, arch, TEMPLATES[name], seed=6)
+    # the prompt opens the block, the tokenizer holds `<think>` and `</think>` as Qwen3's does
+    added = ("<think>", "</think>")
+    out[TAGGED] = bpe_chat_model(root / "tagged", "llama", TEMPLATES[OPENED], 8, added)
     return out
 
 
@@ -176,12 +180,10 @@ def test_a_json_answer_may_follow_the_thinking(
     import llguidance
     import llguidance.hf
 
-    from trainer.api.fireworks.chat_think import thinking_first
+    from trainer.api.fireworks.chat_think import Thought, thinking_first
     from trainer.contract.grammar import OutputGrammar
 
-    grammar = thinking_first(
-        OutputGrammar("json_schema", json.dumps(SCHEMA)), thinking, frozenset()
-    )
+    grammar = thinking_first(OutputGrammar("json_schema", json.dumps(SCHEMA)), Thought(thinking))
     tokenizer = AutoTokenizer.from_pretrained(models[OWN])
     lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=[1])
     matcher = llguidance.LLMatcher(lltok, grammar.text)
@@ -211,3 +213,58 @@ def test_a_bad_grammar_on_a_thinking_model_is_a_400(live: LiveServer) -> None:
         response = http.post(ROUTE, json=body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "response_format"
+
+
+@pytest.mark.parametrize("budget", [1, 3, 6])
+def test_a_thinking_budget_ends_the_thought_at_its_end_token(
+    live: LiveServer, models: dict[str, Path], budget: int
+) -> None:
+    """`reasoning_effort` an integer: the thought is at most that many tokens, then the
+    `</think>` token (forced when the thought reaches the budget); the answer is free."""
+    tokenizer = AutoTokenizer.from_pretrained(models[TAGGED])
+    end = tokenizer.convert_tokens_to_ids("</think>")
+    asked = {"model": TAGGED, "messages": ASK, "n": 6, "max_tokens": 12, "seed": budget}
+    asked |= {"temperature": 1.0, "reasoning_effort": budget, "return_token_ids": True}
+    for choice in chat(live, **asked)["choices"]:
+        ids = choice["token_ids"]
+        assert end in ids[: budget + 1], ids  # the thought is the ids before it
+        thought = ids[: ids.index(end)]
+        assert len(thought) <= budget
+        message = choice["message"]
+        reasoning = tokenizer.decode(thought).strip("\n") or None
+        assert message.get("reasoning_content") == reasoning, (message, ids)
+
+
+def test_a_budget_with_json_thinks_then_answers(live: LiveServer, models: dict[str, Path]) -> None:
+    asked = {"model": TAGGED, "messages": ASK, "n": 4, "max_tokens": 40, "seed": 5}
+    asked |= {"temperature": 1.0, "reasoning_effort": 3}
+    asked["response_format"] = {"type": "json_object", "schema": SCHEMA}
+    choices = chat(live, **asked)["choices"]
+    finished = [c for c in choices if c["finish_reason"] == "stop"]
+    assert finished, choices
+    for choice in finished:
+        assert json.loads(choice["message"]["content"])["answer"] in ("yes", "no"), choice
+
+
+@pytest.mark.parametrize(
+    ("model", "asked", "param"),
+    [
+        (OPENED, {"reasoning_effort": 64}, "reasoning_effort"),  # `</think>` is no token
+        (TAGGED, {"reasoning_effort": 0}, "reasoning_effort"),
+        (TAGGED, {"thinking": {"type": "enabled", "budget_tokens": 512}}, "thinking.budget_tokens"),
+        (TAGGED, {"thinking": {"type": "enabled", "budget": 2048}}, "thinking"),
+    ],
+)
+def test_a_budget_that_cannot_be_served_is_a_400_naming_it(
+    live: LiveServer, model: str, asked: dict[str, Any], param: str
+) -> None:
+    with completions.inference(live, "alice", KEYS) as http:
+        response = http.post(ROUTE, json={"model": model, "messages": ASK, **asked})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_budget_tokens_are_served_as_the_sdk_sends_them(live: LiveServer) -> None:
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    out = chat(live, model=TAGGED, messages=ASK, max_tokens=4, thinking=thinking)
+    assert out["choices"][0]["finish_reason"] == "length"

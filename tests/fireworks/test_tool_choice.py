@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 from tests.api.conftest import LiveServer
 from tests.fireworks import test_completions as completions
 from tests.fireworks.conftest import bpe_chat_model, client_script, run_inline, serve_for_alice
+from trainer.api.fireworks.chat_think import Thought
 from trainer.api.fireworks.chat_tools import HERMES, XML
 from trainer.api.fireworks.tool_choice import Forced, calls_grammar
 
@@ -270,12 +271,12 @@ CALL = '<tool_call>\n{"name": "flip", "arguments": {"on": true}}\n</tool_call>'
 def test_the_reply_may_think_where_the_template_thinks(
     models: dict[str, Path], thinking: Any, text: str, accepted: bool
 ) -> None:
-    grammar = calls_grammar(Forced(None), TOOLS, HERMES, thinking).text
+    grammar = calls_grammar(Forced(None), TOOLS, HERMES, Thought(thinking)).text
     assert _accepts(models[QWEN], grammar, text) is accepted
 
 
 def test_a_named_call_is_one_and_its_arguments_the_schemas(models: dict[str, Path]) -> None:
-    grammar = calls_grammar(Forced("add"), TOOLS, XML, "off").text
+    grammar = calls_grammar(Forced("add"), TOOLS, XML, Thought("off")).text
     call = "<tool_call>\n<function=add>\n<parameter=a>\n3\n</parameter>\n"
     call += "<parameter=b>\nFalse\n</parameter>\n</function>\n</tool_call>"
     assert _accepts(models[LLAMA], grammar, call)
@@ -295,7 +296,9 @@ def test_a_named_call_is_one_and_its_arguments_the_schemas(models: dict[str, Pat
     ]
     said = "<tool_call>\n<function=say>\n<parameter=t>\nany <b>text</b>\n\n</parameter>\n"
     said += "</function>\n</tool_call>"
-    assert _accepts(models[LLAMA], calls_grammar(Forced(None), text_tool, XML, "off").text, said)
+    assert _accepts(
+        models[LLAMA], calls_grammar(Forced(None), text_tool, XML, Thought("off")).text, said
+    )
 
 
 BROKEN = [{"type": "function", "function": {"name": "x", "parameters": {"type": "frobnicate"}}}]
@@ -344,7 +347,7 @@ def test_added_tags_are_drawn_as_their_tokens(live: LiveServer, models: dict[str
 
 def test_thinking_ends_at_the_added_tag(models: dict[str, Path]) -> None:
     tokenizer = AutoTokenizer.from_pretrained(models[TAGGED])
-    grammar = calls_grammar(Forced(None), TOOLS, HERMES, "optional", frozenset(TAGS)).text
+    grammar = calls_grammar(Forced(None), TOOLS, HERMES, Thought("optional", frozenset(TAGS))).text
     lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=[1])
 
     def accepts(ids: list[int]) -> bool:

@@ -23,8 +23,24 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from trainer.api.fireworks.chat_harmony import Harmony
+from trainer.api.fireworks.chat_reasoning import (
+    EFFORTS,
+    FIELDS,
+    REASONING,
+    check_budget,
+    template_switch,
+    thinking_asked,
+    thinking_budget,
+)
 from trainer.api.fireworks.chat_stream import CallStream, ChannelStream
-from trainer.api.fireworks.chat_think import THINK, THINK_END, Thinks, thinking_first
+from trainer.api.fireworks.chat_think import (
+    THINK_END,
+    Thinking,
+    Thinks,
+    Thought,
+    budgeted,
+    thinking_first,
+)
 from trainer.api.fireworks.chat_tools import HERMES, check_template, parse_calls, parse_tools
 from trainer.api.fireworks.chat_truncate import fit, parse_truncate_len
 from trainer.api.fireworks.completion_run import Prepared, serve
@@ -40,7 +56,6 @@ from trainer.api.fireworks.completions_wire import (
 from trainer.api.fireworks.tool_choice import (
     TAGS,
     Forced,
-    Thinking,
     calls_grammar,
     check_forced,
     parse_choice,
@@ -54,13 +69,6 @@ router = APIRouter()
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
 IGNORED = ("metadata",)  # accepted and without effect
-REASONING = (
-    "only 'none' or false (thinking {'type': 'disabled'}) on a model whose chat template has an "
-    "enable_thinking switch, true (thinking {'type': 'enabled'}) on one that thinks, and 'low', "
-    "'medium' or 'high' on one whose template reads reasoning_effort (GPT-OSS), are served; "
-    "not a token budget (an integer, budget_tokens)"
-)
-EFFORTS = ("low", "medium", "high")
 NOT_SERVED = {
     "functions": "the legacy function fields are not served; send tools",
     "function_call": "the legacy function fields are not served; send tools",
@@ -68,8 +76,6 @@ NOT_SERVED = {
     "thinking": REASONING,
 }
 """Chat fields this worker cannot honour: a 400 naming the field, never a silent drop."""
-SWITCH = "enable_thinking"  # the template variable of Qwen3-style thinking switches
-FIELDS = ("reasoning_effort", "thinking")  # the two ways to turn thinking on or off
 
 
 def _content(value: Any, i: int, role: str, calls: bool) -> str | None:
@@ -222,6 +228,7 @@ def parse_chat(raw: dict[str, Any]) -> tuple[CompletionRequest, ChatShape]:
         effort=effort,
         forced=forced,
         truncate_len=parse_truncate_len(raw.get("prompt_truncate_len")),
+        budget=thinking_budget(raw),
     )
     return req, shape
 
@@ -231,36 +238,6 @@ def _finish(stop_reason: str, called: bool) -> str:
     stays `length`, its last call perhaps cut with it."""
     reason = finish_reason(stop_reason)
     return "tool_calls" if called and reason == "stop" else reason
-
-
-def thinking_asked(name: str, value: Any) -> bool | None:
-    """Whether `reasoning_effort` (true; `'none'` or false) or `thinking` (`{type: enabled}`;
-    `{type: disabled}`) asks for thinking on (True) or off (False); None: neither."""
-    if name == "reasoning_effort":
-        if isinstance(value, bool):
-            return value
-        return False if isinstance(value, str) and value == "none" else None
-    if name == "thinking" and value in ({"type": "enabled"}, {"type": "disabled"}):
-        return bool(value == {"type": "enabled"})
-    return None
-
-
-def _switch(field: str, on: bool, template: str, model: str) -> dict[str, Any]:
-    """The template's variables that turn thinking on or off, as `field` asks: its
-    `enable_thinking` switch; on, also a harmony template's `reasoning_effort` (`medium`, as
-    the Fireworks API reads `true`) or nothing where the template thinks by default."""
-    if SWITCH in template:
-        return {SWITCH: on}
-    if on and "reasoning_effort" in template:
-        return {"reasoning_effort": "medium"}
-    if on and THINK in template:
-        return {}
-    how = "turned on: it writes no thinking" if on else "turned off"
-    raise bad_request(
-        f"{field}: the chat template of {model} has no {SWITCH} switch, so thinking cannot "
-        f"be {how}",
-        field,
-    )
 
 
 class ChatShape:
@@ -282,6 +259,7 @@ class ChatShape:
         effort: str | None = None,
         forced: Forced | None = None,
         truncate_len: int | None = None,
+        budget: int | None = None,
     ) -> None:
         self.messages = messages
         self.effort = effort  # the template's `reasoning_effort` (GPT-OSS's)
@@ -294,6 +272,7 @@ class ChatShape:
         self.max_given = max_given  # otherwise the rest of the context after the prompt
         self.token_ids = token_ids
         self.thinking = thinking  # the field that set the template's thinking, and how
+        self.budget = budget  # the most tokens the reply may think (`chat_think.think_rules`)
         self.rendered = ""
 
     def prompt(
@@ -308,7 +287,7 @@ class ChatShape:
         switch: dict[str, Any] = {}
         if self.thinking is not None:
             field, on = self.thinking
-            switch |= _switch(field, on, str(tokenizer.chat_template), entry.name)
+            switch |= template_switch(field, on, str(tokenizer.chat_template), entry.name)
         if self.tools is not None:
             self.call_form = check_template(tokenizer, entry.name)
             switch["tools"] = self.tools
@@ -349,13 +328,20 @@ class ChatShape:
         held: dict[str, int] = getattr(tokenizer, "get_added_vocab", dict)()
         added = frozenset(tag for tag in TAGS if tag in held)
         mode, asked = self._thinking(), req.response_format
+        if self.budget is not None:
+            field = self.thinking[0] if self.thinking is not None else "reasoning_effort"
+            check_budget(field, mode, added, entry.name, asked)
+        thought = Thought(mode, added, self.budget)
         if self.forced is not None and self.tools is not None:
-            grammar = calls_grammar(self.forced, self.tools, self.call_form, mode, added)
+            grammar = calls_grammar(self.forced, self.tools, self.call_form, thought)
             req = dataclasses.replace(req, response_format=grammar)
         elif asked is not None and mode != "off" and THINK_END not in asked.text:
             # the asked grammar holds the answer after the thinking (one that writes
             # `</think>` itself holds the whole reply)
-            req = dataclasses.replace(req, response_format=thinking_first(asked, mode, added))
+            req = dataclasses.replace(req, response_format=thinking_first(asked, thought))
+        elif self.budget is not None:
+            field = self.thinking[0] if self.thinking is not None else "reasoning_effort"
+            req = dataclasses.replace(req, response_format=budgeted(thought, field))
         if not self.max_given:
             left = entry.max_seq_length - len(ids)
             if left < 1:

@@ -73,29 +73,46 @@ def lark_tag(text: str, added: frozenset[str]) -> str:
     return text if text in added else json.dumps(text, ensure_ascii=False)
 
 
-def think_rules(thinking: Thinking, added: frozenset[str]) -> tuple[str, list[str]]:
+@dataclass(frozen=True)
+class Thought:
+    """How a constrained reply thinks: where (`thinking`), which tags the tokenizer holds as
+    added tokens (`added`; llguidance allows such a token only by name), and the most tokens a
+    thought may take (`budget`; None: any)."""
+
+    thinking: Thinking
+    added: frozenset[str] = frozenset()
+    budget: int | None = None
+
+
+def think_rules(thought: Thought) -> tuple[str, list[str]]:
     """A constrained reply's thinking, in Lark: what its `start` opens with ("" for none) and
     the rules that uses. A thought runs to the first `</think>`; where that is an added token,
-    to that token, and the thought may not hold its text spelled out."""
+    to that token, and the thought may not hold its text spelled out. A budget ends the thought
+    at that many tokens, `</think>` then the only token allowed (so only where it is one)."""
+    added = thought.added
     if THINK_END in added:
-        rules = [f"think_rest: THINK_TEXT {THINK_END}", f"THINK_TEXT: /{_without(THINK_END)}/"]
+        regex = _without(THINK_END)
+        if thought.budget is not None:
+            rules = [f"think_rest: thought_text {THINK_END}"]
+            rules.append(f"thought_text[max_tokens={thought.budget}]: /{regex}/")
+        else:
+            rules = [f"think_rest: THINK_TEXT {THINK_END}", f"THINK_TEXT: /{regex}/"]
     else:
         rules = [f'think_rest[lazy]: /(.|\\n)*/ "{THINK_END}"']
+    gap = ' "\\n\\n"'  # as the template writes a turn back
     opening = {
         "off": "",
-        "optional": f'({lark_tag(THINK, added)} think_rest "\\n\\n")?',
-        "open": 'think_rest "\\n\\n"',
-    }[thinking]
+        "optional": f"({lark_tag(THINK, added)} think_rest{gap})?",
+        "open": f"think_rest{gap}",
+    }[thought.thinking]
     return opening, rules if opening else []
 
 
-def thinking_first(
-    grammar: OutputGrammar, thinking: Thinking, added: frozenset[str]
-) -> OutputGrammar:
+def thinking_first(grammar: OutputGrammar, thought: Thought) -> OutputGrammar:
     """`grammar` (a `response_format`) held to the reply's content, after its thinking as
-    `thinking` says: llguidance's grammar of several, the first the thinking then the second,
+    `thought` says: llguidance's grammar of several, the first the thinking then the second,
     the asked one (`@answer`)."""
-    opening, rules = think_rules(thinking, added)
+    opening, rules = think_rules(thought)
     main = "\n".join([f"start: {opening} @answer", *rules])
     answer: dict[str, object] = {"name": "answer"}
     if grammar.kind == "json_schema":
@@ -111,6 +128,16 @@ def thinking_first(
         answer["lark_grammar"] = grammar.text
     composed = json.dumps({"grammars": [{"lark_grammar": main}, answer]})
     return OutputGrammar("llguidance", composed, grammar.field)
+
+
+def budgeted(thought: Thought, field: str) -> OutputGrammar:
+    """A reply whose thinking has a budget and whose answer is free: any text, and the tags
+    the tokenizer holds as added tokens (its tool calls' too); `field` asked for the budget."""
+    opening, rules = think_rules(thought)
+    tags = " | ".join(sorted(t for t in thought.added if t not in (THINK, THINK_END)))
+    free = f"(ANSWER_TEXT | {tags})*" if tags else "ANSWER_TEXT?"
+    rules += [f"answer: {free}", "ANSWER_TEXT: /(.|\\n)+/"]
+    return OutputGrammar("lark", "\n".join([f"start: {opening} answer", *rules]), field)
 
 
 def _without(mark: str) -> str:

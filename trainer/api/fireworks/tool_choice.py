@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.api.fireworks.chat_think import THINK, THINK_END, Thinking, lark_tag, think_rules
+from trainer.api.fireworks.chat_think import THINK, THINK_END, Thought, lark_tag, think_rules
 from trainer.api.fireworks.chat_tools import END as CALL_END
 from trainer.api.fireworks.chat_tools import START as CALL
 from trainer.api.fireworks.chat_tools import XML
@@ -89,19 +89,14 @@ def check_forced(forced: Forced, tools: list[dict[str, Any]] | None) -> None:
 
 
 def calls_grammar(
-    forced: Forced,
-    tools: list[dict[str, Any]],
-    form: str,
-    thinking: Thinking,
-    added: frozenset[str] = frozenset(),
+    forced: Forced, tools: list[dict[str, Any]], form: str, thought: Thought
 ) -> OutputGrammar:
-    """The reply's grammar: calls in the template's `form`, after thinking as `thinking` says.
-    `added`: the tags (`TAGS`) the tokenizer holds as added tokens, which llguidance allows
-    only as those tokens (by name, `<tool_call>`), as the model writes them, never spelled out
-    in pieces."""
+    """The reply's grammar: calls in the template's `form`, after thinking as `thought` says.
+    A tag (`TAGS`) the tokenizer holds as an added token is allowed only as that token (by
+    name, `<tool_call>`), as the model writes it, never spelled out in pieces."""
 
     def tag(text: str) -> str:
-        return lark_tag(text, added)
+        return lark_tag(text, thought.added)
 
     chosen = [t for t in tools if forced.name in (None, t["function"]["name"])]
     functions = " | ".join(f"fn_{i}" for i in range(len(chosen)))
@@ -110,9 +105,9 @@ def calls_grammar(
         f'call: {tag(CALL)} "\\n" ({functions}) "\\n" {tag(CALL_END)}',
         "calls: call" + (' ("\\n" call)*' if forced.name is None else ""),
     ]
-    opening, thought = think_rules(thinking, added)
+    opening, thinking = think_rules(thought)
     start = f"start: {opening} calls"
-    return OutputGrammar("lark", "\n".join([start, *rules, *thought]), FIELD)
+    return OutputGrammar("lark", "\n".join([start, *rules, *thinking]), FIELD)
 
 
 def lark_error(text: str) -> str:
