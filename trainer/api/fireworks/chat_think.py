@@ -8,6 +8,9 @@ open (the reply starts inside it). The reasoning is trimmed of newlines at both 
 content of newlines at its start, as the template trims them when it writes such a turn back
 (`<think>\\nREASONING\\n</think>\\n\\nCONTENT`). A block not closed yet (cut by `max_tokens`) is all
 reasoning; a reply that opens no block is all content.
+
+A constrained reply (a `response_format`, a forced tool call, a thinking budget) thinks under
+the grammar pieces here (`Thought`, `think_rules`): its thought first, then what is asked.
 """
 
 from __future__ import annotations
