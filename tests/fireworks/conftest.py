@@ -114,12 +114,17 @@ def run_fw(
 
 
 def bpe_chat_model(
-    where: Path, arch: str, template: str, seed: int, added: tuple[str, ...] = ()
+    where: Path,
+    arch: str,
+    template: str,
+    seed: int,
+    added: tuple[str, ...] = (),
+    special: bool = False,
 ) -> Path:
     """A tiny `arch` model (qwen3 tied, else untied) with a byte-level BPE tokenizer, which
     constrained decoding can read, and `template` as its chat template. `added`: tokens added
     to its vocabulary as Qwen3's `<think>` and `<tool_call>` are (not special: decoding keeps
-    them)."""
+    them), or as `special` ones (decoding drops them)."""
     from tokenizers import AddedToken
     from transformers import AutoTokenizer
 
@@ -128,7 +133,7 @@ def bpe_chat_model(
 
     build_bpe_tokenizer(where)
     tokenizer = AutoTokenizer.from_pretrained(where)
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+    tokenizer.add_tokens([AddedToken(t, special=special, normalized=False) for t in added])
     tokenizer.chat_template = template
     tokenizer.save_pretrained(where)
     vocab, tied = len(tokenizer), arch == "qwen3"

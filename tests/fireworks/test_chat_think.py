@@ -26,6 +26,7 @@ pytestmark = pytest.mark.fireworks
 OWN = "accounts/fireworks/models/bpe-qwen3-thinks"  # the reply opens its block
 OPENED = "accounts/fireworks/models/bpe-llama-opened"  # the prompt opens it
 TAGGED = "accounts/fireworks/models/bpe-llama-opened-tags"  # and `</think>` is one token
+DROPPED = "accounts/fireworks/models/bpe-llama-dropped-tags"  # special: decoding drops them
 ROUTE = "/inference/v1/chat/completions"
 TURNS = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n"
@@ -58,6 +59,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     # the prompt opens the block, the tokenizer holds `<think>` and `</think>` as Qwen3's does
     added = ("<think>", "</think>")
     out[TAGGED] = bpe_chat_model(root / "tagged", "llama", TEMPLATES[OPENED], 8, added)
+    out[DROPPED] = bpe_chat_model(root / "dropped", "llama", TEMPLATES[OPENED], 8, added, True)
     return out
 
 
@@ -268,3 +270,17 @@ def test_budget_tokens_are_served_as_the_sdk_sends_them(live: LiveServer) -> Non
     thinking = {"type": "enabled", "budget_tokens": 1024}
     out = chat(live, model=TAGGED, messages=ASK, max_tokens=4, thinking=thinking)
     assert out["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_tokenizer_that_drops_the_tags_does_not_think(live: LiveServer) -> None:
+    """Its replies hold no block to find: all content, the grammar the whole reply's, and no
+    budget."""
+    asked = {"model": DROPPED, "messages": ASK, "n": 4, "max_tokens": 6, "seed": 2}
+    asked["response_format"] = {"type": "grammar", "grammar": 'root ::= "yes" | "no"'}
+    for choice in chat(live, **asked)["choices"]:
+        assert choice["message"] == {"role": "assistant", "content": choice["message"]["content"]}
+        assert choice["message"]["content"] in ("yes", "no")
+    with completions.inference(live, "alice", KEYS) as http:
+        body = {"model": DROPPED, "messages": ASK, "reasoning_effort": 8}
+        response = http.post(ROUTE, json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "reasoning_effort"

@@ -324,7 +324,7 @@ class ChatShape:
             kept = fit(self.messages, lambda messages: len(render(messages)[1]), limit)
             self.rendered, ids = render(kept)
         if self.harmony is None:
-            self.thinks = Thinks.of(str(tokenizer.chat_template), self.rendered)
+            self.thinks = Thinks.of(tokenizer, self.rendered)
         held: dict[str, int] = getattr(tokenizer, "get_added_vocab", dict)()
         added = frozenset(tag for tag in TAGS if tag in held)
         mode, asked = self._thinking(), req.response_format

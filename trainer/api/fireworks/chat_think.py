@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from trainer.contract.grammar import OutputGrammar
 from trainer.serving.errors import bad_request
@@ -36,10 +36,15 @@ class Thinks:
     open: bool
 
     @staticmethod
-    def of(template: str, rendered: str) -> Thinks | None:
-        """None for a template that does not think."""
-        if THINK not in template:
+    def of(tokenizer: Any, rendered: str) -> Thinks | None:
+        """None for a template that does not think, or a tokenizer that drops the tags from
+        decoded text (special tokens): its replies then have no block to find."""
+        if THINK not in str(tokenizer.chat_template):
             return None
+        for tag in (THINK, THINK_END):
+            ids = tokenizer.encode(tag, add_special_tokens=False)
+            if tag not in str(tokenizer.decode(ids, skip_special_tokens=True)):
+                return None
         return Thinks(open=rendered.rfind(THINK) > rendered.rfind(THINK_END))
 
     def split(self, text: str, last: bool = True) -> tuple[str | None, str]:
