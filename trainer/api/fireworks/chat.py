@@ -259,7 +259,7 @@ class ChatShape:
         effort: str | None = None,
         forced: Forced | None = None,
         truncate_len: int | None = None,
-        budget: int | None = None,
+        budget: tuple[str, int] | None = None,
     ) -> None:
         self.messages = messages
         self.effort = effort  # the template's `reasoning_effort` (GPT-OSS's)
@@ -272,7 +272,8 @@ class ChatShape:
         self.max_given = max_given  # otherwise the rest of the context after the prompt
         self.token_ids = token_ids
         self.thinking = thinking  # the field that set the template's thinking, and how
-        self.budget = budget  # the most tokens the reply may think (`chat_think.think_rules`)
+        # the field that asked for a thinking budget, and its tokens (`chat_think.think_rules`)
+        self.budget = budget
         self.rendered = ""
 
     def prompt(
@@ -329,9 +330,8 @@ class ChatShape:
         added = frozenset(tag for tag in TAGS if tag in held)
         mode, asked = self._thinking(), req.response_format
         if self.budget is not None:
-            field = self.thinking[0] if self.thinking is not None else "reasoning_effort"
-            check_budget(field, mode, added, entry.name, asked)
-        thought = Thought(mode, added, self.budget)
+            check_budget(self.budget[0], mode, added, entry.name, asked)
+        thought = Thought(mode, added, None if self.budget is None else self.budget[1])
         if self.forced is not None and self.tools is not None:
             grammar = calls_grammar(self.forced, self.tools, self.call_form, thought)
             req = dataclasses.replace(req, response_format=grammar)
@@ -340,8 +340,7 @@ class ChatShape:
             # `</think>` itself holds the whole reply)
             req = dataclasses.replace(req, response_format=thinking_first(asked, thought))
         elif self.budget is not None:
-            field = self.thinking[0] if self.thinking is not None else "reasoning_effort"
-            req = dataclasses.replace(req, response_format=budgeted(thought, field))
+            req = dataclasses.replace(req, response_format=budgeted(thought, self.budget[0]))
         if not self.max_given:
             left = entry.max_seq_length - len(ids)
             if left < 1:

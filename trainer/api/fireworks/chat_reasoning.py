@@ -41,15 +41,15 @@ def thinking_asked(name: str, value: Any) -> bool | None:
     return None
 
 
-def thinking_budget(raw: dict[str, Any]) -> int | None:
-    """The most tokens the reply may think, when asked: `reasoning_effort` an integer (at least
-    1) or `thinking.budget_tokens` (at least 1,024, as the Fireworks SDK documents); a 400
-    naming the field otherwise."""
+def thinking_budget(raw: dict[str, Any]) -> tuple[str, int] | None:
+    """The field that asked for a thinking budget and the most tokens the reply may think:
+    `reasoning_effort` an integer (at least 1) or `thinking.budget_tokens` (at least 1,024, as
+    the Fireworks SDK documents); a 400 naming the field otherwise."""
     effort = raw.get("reasoning_effort")
     if isinstance(effort, int) and not isinstance(effort, bool):
         if effort < 1:
             raise bad_request("reasoning_effort: a token budget is at least 1", "reasoning_effort")
-        return effort
+        return "reasoning_effort", effort
     thinking = raw.get("thinking")
     budget = thinking.get("budget_tokens") if isinstance(thinking, dict) else None
     if budget is None:
@@ -57,7 +57,7 @@ def thinking_budget(raw: dict[str, Any]) -> int | None:
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1024:
         where = "thinking.budget_tokens"
         raise bad_request(f"{where}: an integer of at least 1024", where)
-    return budget
+    return "thinking", budget
 
 
 def template_switch(field: str, on: bool, template: str, model: str) -> dict[str, Any]:

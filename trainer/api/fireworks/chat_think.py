@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from trainer.api.fireworks.chat_tools import keeps
 from trainer.contract.grammar import OutputGrammar
 from trainer.serving.errors import bad_request
 
@@ -41,10 +42,8 @@ class Thinks:
         decoded text (special tokens): its replies then have no block to find."""
         if THINK not in str(tokenizer.chat_template):
             return None
-        for tag in (THINK, THINK_END):
-            ids = tokenizer.encode(tag, add_special_tokens=False)
-            if tag not in str(tokenizer.decode(ids, skip_special_tokens=True)):
-                return None
+        if not (keeps(tokenizer, THINK) and keeps(tokenizer, THINK_END)):
+            return None
         return Thinks(open=rendered.rfind(THINK) > rendered.rfind(THINK_END))
 
     def split(self, text: str, last: bool = True) -> tuple[str | None, str]:

@@ -90,14 +90,19 @@ def check_template(tokenizer: Any, model: str) -> str:
             "tools",
         )
     for tag in (START, END):
-        ids = tokenizer.encode(tag, add_special_tokens=False)
-        if tag not in str(tokenizer.decode(ids, skip_special_tokens=True)):
+        if not keeps(tokenizer, tag):
             raise bad_request(
                 f"tools: the tokenizer of {model} drops {tag} from decoded text (a special "
                 "token), so its tool calls cannot be parsed",
                 "tools",
             )
     return XML if XML_CALLS in text else HERMES
+
+
+def keeps(tokenizer: Any, tag: str) -> bool:
+    """Whether `tokenizer` keeps `tag` in decoded text (it drops a special token's)."""
+    ids = tokenizer.encode(tag, add_special_tokens=False)
+    return tag in str(tokenizer.decode(ids, skip_special_tokens=True))
 
 
 def parse_calls(text: str, form: str = HERMES, tools: list[dict[str, Any]] | None = None) -> Parsed:
